@@ -1,0 +1,52 @@
+"""genai-ep: run genai-style ONNX decoders with swappable KV layouts, capture and offload policies.
+
+The public API is re-exported here; everything else is private to its module.
+"""
+
+from __future__ import annotations
+
+from ep.config import Budget, Config, Setting, load_config, parse_budget
+from ep.errors import (
+    ConfigError,
+    ContractError,
+    DeviceError,
+    EPError,
+    GenerationError,
+    KernelCompileError,
+    ModelError,
+    OpError,
+    PluginConflictError,
+    PluginError,
+    PluginLoadError,
+)
+from ep.hookspecs import hookimpl
+from ep.plugins import PluginHost, get_host
+from ep.registry import Option, Register, Registry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Budget",
+    "Config",
+    "ConfigError",
+    "ContractError",
+    "DeviceError",
+    "EPError",
+    "GenerationError",
+    "KernelCompileError",
+    "ModelError",
+    "OpError",
+    "Option",
+    "PluginConflictError",
+    "PluginError",
+    "PluginHost",
+    "PluginLoadError",
+    "Register",
+    "Registry",
+    "Setting",
+    "__version__",
+    "get_host",
+    "hookimpl",
+    "load_config",
+    "parse_budget",
+]

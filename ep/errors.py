@@ -1,0 +1,71 @@
+"""The error hierarchy of genai-ep.
+
+Every message names what failed, the value seen, what was expected and how to fix it. Code that
+catches errors from the project catches `EPError`; the CLI prints its message without a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "ContractError",
+    "DeviceError",
+    "EPError",
+    "GenerationError",
+    "KernelCompileError",
+    "ModelError",
+    "OpError",
+    "PluginConflictError",
+    "PluginError",
+    "PluginLoadError",
+]
+
+
+class EPError(Exception):
+    """Base of every error genai-ep raises on purpose."""
+
+
+# --- configuration and plugins -------------------------------------------------------------
+
+
+class ConfigError(EPError, ValueError):
+    """A configuration value (from any source) is unknown, malformed or out of range."""
+
+
+class PluginError(EPError):
+    """Something is wrong with a plugin."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin could not be imported or registered."""
+
+
+class PluginConflictError(PluginError):
+    """Two plugins registered the same name in the same seam."""
+
+
+class ContractError(PluginError):
+    """A plugin returned something that breaks its seam's contract (addressed to its author)."""
+
+
+# --- models, generation, ops, devices ------------------------------------------------------
+
+
+class ModelError(EPError, ValueError):
+    """A model path, file or graph is missing, malformed or has I/O we cannot drive."""
+
+
+class GenerationError(EPError, ValueError):
+    """A generation request is invalid: prompt too long, token id out of range, bad sampling."""
+
+
+class OpError(EPError):
+    """A custom op failed while running, or returned an output that breaks its schema."""
+
+
+class DeviceError(EPError):
+    """A device (CPU or CUDA) call failed; the message names the call and what the code means."""
+
+
+class KernelCompileError(DeviceError):
+    """NVRTC rejected a kernel; the message carries the compiler log."""
