@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ep.errors import ConfigError
-from ep.registry import Option, Registry, Seam
+from ep.errors import ConfigError, ContractError
+from ep.registry import Entry, Option, Registry, Seam
+from ep.seams import CapturePolicy, KVLayout, OffloadPolicy
 
 __all__ = [
     "DEFAULT_CONFIG_FILE",
@@ -178,10 +179,34 @@ class Config:
         entry = self._registry.get(
             seam, name, where=f"{SEAM_KEYS[seam]} = {self.describe(SEAM_KEYS[seam])}"
         )
-        return entry.factory(self.plugin_options(seam, name))
+        made = entry.factory(self.plugin_options(seam, name))
+        check_implements(seam, made, entry)
+        return made
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return {k: {"value": s.value, "source": s.source} for k, s in sorted(self.settings.items())}
+
+
+_PROTOCOLS: dict[Seam, type] = {
+    "kv_layout": KVLayout,
+    "capture": CapturePolicy,
+    "offload": OffloadPolicy,
+}
+
+
+def check_implements(seam: Seam, made: object, entry: Entry) -> None:
+    """A factory must return an object with every method of its seam's Protocol."""
+    protocol = _PROTOCOLS[seam]
+    if isinstance(made, protocol):
+        return
+    # The Protocol's methods, plus its one attribute.
+    required = sorted({n for n in vars(protocol) if not n.startswith("_")} | {"name"})
+    missing = [n for n in required if not hasattr(made, n)]
+    raise ContractError(
+        f"{entry.plugin.describe()}: the factory of {seam.replace('_', ' ')} {entry.name!r} "
+        f"returned {type(made).__name__}, which does not satisfy ep.seams.{protocol.__name__}; "
+        f"missing: {', '.join(missing)}. Implement {', '.join(required)}"
+    )
 
 
 def _flatten(table: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from ep.config import load_config, parse_budget
-from ep.errors import ConfigError
+from ep.errors import ConfigError, ContractError
 from ep.plugins import PluginHost
 
 
@@ -78,8 +78,8 @@ def test_config_is_frozen(registry, tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("toml", "env", "cli", "message"),
     [
-        ('[decode]\nbackend = "onnx"\n', {}, {}, r"decode.backend = 'onnx' \(from config file .*\): "
-         r"'onnx' is not allowed; expected one of 'ort', 'native'"),
+        ('[decode]\nbackend = "onnx"\n', {}, {}, r"decode.backend = 'onnx' \(from config file "
+         r".*\): 'onnx' is not allowed; expected one of 'ort', 'native'"),
         ('[decode]\nkv_layout = "head_majr"\n', {}, {}, r"unknown kv layout 'head_majr'.*"
          r"did you mean 'head_major'"),
         ("", {"GENAI_EP_DECODE__CAPTURE": "sometimes"}, {}, r"decode.capture = 'sometimes' "
@@ -133,3 +133,31 @@ def test_budget_parsing(text: str, nbytes: int | None, share: float | None) -> N
 def test_bad_budgets(text: str) -> None:
     with pytest.raises(ConfigError, match="budget"):
         parse_budget(text)
+
+
+def test_a_factory_breaking_its_protocol_is_named(plugin_module, tmp_path: Path) -> None:
+    mod = plugin_module(
+        "half_layout",
+        """
+        import ep
+
+        class Half:
+            name = "half"
+            def geometry(self, **kw): ...
+
+        @ep.hookimpl
+        def ep_register_kv_layouts(register):
+            register.add("half", lambda options: Half())
+        """,
+    )
+    registry = PluginHost(extra_modules=[mod], environ={}).registry
+    config = load_config(
+        registry, environ={}, cwd=tmp_path, cli={"decode.kv_layout": ("half", "command line")}
+    )
+    with pytest.raises(ContractError, match=r"half_layout.*'half'.*missing: bytes_per_token"):
+        config.create("kv_layout")
+
+
+@pytest.mark.parametrize("seam", ["kv_layout", "capture", "offload"])
+def test_builtin_defaults_satisfy_their_protocols(registry, tmp_path: Path, seam) -> None:
+    load_config(registry, environ={}, cwd=tmp_path).create(seam)
