@@ -69,3 +69,25 @@ class DeviceError(EPError):
 
 class KernelCompileError(DeviceError):
     """NVRTC rejected a kernel; the message carries the compiler log."""
+
+
+# --- device layer (ep/device) ------------------------------------------------------------------
+
+__all__ += ["CudaCallError", "DeviceUnavailableError", "KernelRegistryError"]
+
+
+class DeviceUnavailableError(DeviceError):
+    """The requested device is not here: no CUDA driver, no GPU, or a device index out of range."""
+
+
+class CudaCallError(DeviceError):
+    """A CUDA driver, runtime or NVRTC call failed; ``call`` and ``code`` name it and its result."""
+
+    def __init__(self, message: str, *, call: str = "", code: str = "") -> None:
+        super().__init__(message)
+        self.call = call
+        self.code = code
+
+
+class KernelRegistryError(DeviceError, ValueError):
+    """A kernel name is unknown, or two different kernels were registered under one name."""

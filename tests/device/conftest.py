@@ -1,0 +1,44 @@
+"""Fixtures for the device layer: the same test body runs on the CPU and (marked ``cuda``) a GPU."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from ep.device import CACHE_ENV, Device, cuda_available, get_device
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Keep compiled test kernels out of the user's ~/.cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("kernel-cache")))
+        yield
+
+
+def _cuda_or_skip() -> Device:
+    ok, reason = cuda_available()  # raises on a present-but-broken driver: that must fail
+    if not ok:
+        pytest.skip(reason)
+    return get_device("cuda")
+
+
+@pytest.fixture
+def cuda_dev() -> Device:
+    """The GPU, or a skip when there is genuinely no driver or no GPU (never on other errors)."""
+    return _cuda_or_skip()
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def device(request: pytest.FixtureRequest) -> Device:
+    """Each contract test once per device; kernels compiled up front, as before any capture."""
+    dev = _cuda_or_skip() if request.param == "cuda" else get_device("cpu")
+    dev.compile_all()
+    return dev
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng()
