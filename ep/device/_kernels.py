@@ -103,10 +103,46 @@ class CompileOptions:
     max_register_count: int | None = None
     lineinfo: bool = False
     defines: tuple[tuple[str, str], ...] = ()  # (name, value) pairs for -D name=value
+    # Put the CUDA runtime headers (cuda_fp16.h, cuda_bf16.h) from the nvidia-cuda-runtime wheel
+    # on the include path; their version joins the cache key.
+    cuda_headers: bool = False
 
     def key_fields(self) -> dict[str, object]:
         """A JSON-able, order-stable form of these options for the cache key."""
-        return {k: v for k, v in sorted(dataclasses.asdict(self).items())}
+        fields: dict[str, object] = dict(sorted(dataclasses.asdict(self).items()))
+        if self.cuda_headers:
+            fields["cuda_headers"] = cuda_headers()[1]
+        return fields
+
+
+@functools.cache
+def cuda_headers() -> tuple[str, str]:
+    """The CUDA runtime headers' folder and the version of the package that ships them."""
+    import importlib.metadata as md
+
+    folder = ""
+    with contextlib.suppress(Exception):
+        from cuda.pathfinder import find_nvidia_header_directory
+
+        folder = find_nvidia_header_directory("cudart") or ""
+    if not folder:  # an older cuda-pathfinder: look where the wheel puts them
+        import sys
+
+        for root in sys.path:
+            candidate = os.path.join(root, "nvidia", "cu13", "include")
+            if os.path.isfile(os.path.join(candidate, "cuda_bf16.h")):
+                folder = candidate
+                break
+    if not folder:
+        raise KernelCompileError(
+            "the CUDA runtime headers (cuda_fp16.h, cuda_bf16.h) were not found: "
+            "pip install 'nvidia-cuda-runtime>=13,<14'"
+        )
+    try:
+        version = md.version("nvidia-cuda-runtime")
+    except md.PackageNotFoundError:
+        version = "unknown"
+    return folder, f"nvidia-cuda-runtime {version}"
 
 
 @dataclass(frozen=True)
@@ -428,6 +464,7 @@ def _nvrtc_compile(source: KernelSource, arch: str) -> bytes:
         max_register_count=opts.max_register_count,
         lineinfo=opts.lineinfo,
         define_macro=[tuple(d) for d in opts.defines] or None,
+        include_path=[cuda_headers()[0]] if opts.cuda_headers else None,
     )
     log = io.StringIO()
     program = None

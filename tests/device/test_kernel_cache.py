@@ -224,3 +224,26 @@ def test_kernel_source_is_validated() -> None:
         KernelSource("test_other", SCALE.source, SCALE.params)
     with pytest.raises(KernelRegistryError, match="not valid"):
         KernelSource("has space", SCALE.source, SCALE.params)
+
+
+def test_cuda_headers_compile_bf16_and_fp16(tmp_path) -> None:
+    """fp16/bf16 kernels include the runtime headers from the nvidia-cuda-runtime wheel."""
+    from ep.device import CompileOptions, KernelCache, KernelSource, compile_kernel
+
+    src = KernelSource(
+        name="headers_probe",
+        source=(
+            "#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+            'extern "C" __global__ void headers_probe(__nv_bfloat16* x, const __half* y) {\n'
+            "  int i = threadIdx.x;\n"
+            "  x[i] = __float2bfloat16(__bfloat162float(x[i]) + __half2float(y[i]));\n}\n"
+        ),
+        params=("bf16*", "f16*"),
+        options=CompileOptions(cuda_headers=True),
+    )
+    without = KernelSource(src.name, src.source, src.params, options=CompileOptions())
+    assert src.options.key_fields()["cuda_headers"].startswith("nvidia-cuda-runtime")
+    assert compile_kernel(src, "sm_90", cache=KernelCache(tmp_path)).report.cubin_bytes > 0
+
+    with pytest.raises(KernelCompileError, match=r"cuda_bf16\.h"):
+        compile_kernel(without, "sm_90", cache=KernelCache(tmp_path))
