@@ -5,6 +5,8 @@ The public API is re-exported here; everything else is private to its module.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ep.config import Budget, Config, Setting, load_config, parse_budget
 from ep.errors import (
     ConfigError,
@@ -24,6 +26,17 @@ from ep.plugins import PluginHost, get_host
 from ep.registry import Option, Register, Registry
 
 __version__ = "0.1.0"
+
+
+def register(session_options: Any, registry: Registry | None = None) -> Any:
+    """Let an ``onnxruntime.SessionOptions`` run this project's ops; returns it.
+
+    Use it for your own ``InferenceSession``; run it with ``ep.ops.run`` so that an op's error is
+    raised from ``run()`` (onnxruntime is imported only when this is called).
+    """
+    from ep.ops import register_session_options
+
+    return register_session_options(session_options, registry)
 
 __all__ = [
     "Budget",
@@ -49,4 +62,5 @@ __all__ = [
     "hookimpl",
     "load_config",
     "parse_budget",
+    "register",
 ]
