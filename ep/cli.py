@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ep.config import Config, load_config
 from ep.errors import ConfigError, EPError
 from ep.plugins import PluginHost, get_host
+from ep_graphs import DEFAULT_MODEL
 
 __all__ = ["main"]
 
@@ -126,9 +127,6 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-Command = Callable[[argparse.Namespace], int]
-
-
 def build_parser() -> argparse.ArgumentParser:
     common = _config_flags()
     parser = argparse.ArgumentParser(
@@ -150,13 +148,177 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=_cmd_config_show)
 
-    for register in _EXTRA_COMMANDS:
-        register(sub, common)
+    p = sub.add_parser(
+        "run",
+        parents=[common],
+        help="generate tokens (with no arguments: the bundled model on the CPU)",
+        description="Prefill then decode with a genai-style decoder. Without --model, runs the "
+        "bundled default model.",
+    )
+    p.add_argument(
+        "--model",
+        metavar="PATH",
+        help="onnxruntime-genai folder, decoder .onnx, Hugging Face checkpoint folder or "
+        "'spec:hidden=64,layers=2,...' (default: the bundled model)",
+    )
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="prompt text (repeat for more batch rows)")  # fmt: skip
+    p.add_argument("--prompt-ids", action="append", default=[], metavar="1,2,3",
+                   help="prompt token ids (repeat for more batch rows)")  # fmt: skip
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
+                   help="EOS and stop ids are masked until this many new tokens")  # fmt: skip
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 turns it off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true",
+                   help='print one JSON object: {"tokens", "text", "metrics"}')  # fmt: skip
+    p.set_defaults(func=_cmd_run)
+
+    from ep_graphs import add_build_arguments, run_build
+
+    p = sub.add_parser(
+        "build",
+        help="build a decoder graph from a Hugging Face checkpoint or a spec",
+        description="Build a genai-style decoder folder (model.onnx + genai_config.json).",
+    )
+    add_build_arguments(p)
+    p.set_defaults(func=run_build)
+
+    p = sub.add_parser(
+        "kernels",
+        help="compile every CUDA kernel with NVRTC (no GPU needed) and list them",
+        description="Compile every registered CUDA kernel to a cubin (cached on disk) and list "
+        "them. NVRTC needs no GPU: pass --arch to compile on a machine without one.",
+    )
+    p.add_argument("--arch", help="sm_XX to compile for (default: the GPU's own)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_cmd_kernels)
     return parser
 
 
-# Later subcommands (run, build, rewrite, kernels) add themselves here: (subparsers, common) -> None
-_EXTRA_COMMANDS: list[Callable[[Any, argparse.ArgumentParser], None]] = []
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ConfigError(
+            f"--prompt-ids {text!r} is not a comma-separated list of token ids, e.g. 1,2,3"
+        ) from None
+    if not ids:
+        raise ConfigError("--prompt-ids is empty; give at least one token id, e.g. 1,2,3")
+    return ids
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from ep.model import load_model
+    from ep.runtime import GenerationOptions, Generator
+    from ep.sampling import SamplingParams
+
+    _, config = host_and_config(args)
+    if config["decode.backend"] != "ort":
+        raise ConfigError(
+            f"decode.backend = {config.describe('decode.backend')}: the native backend is not "
+            "available in this version; use --backend ort"
+        )
+    bundled = args.model is None
+    model = load_model(str(DEFAULT_MODEL) if bundled else args.model)
+    prompts: list[str | list[int]] = [*args.prompt, *(_prompt_ids(p) for p in args.prompt_ids)]
+    if not prompts:
+        if not bundled:
+            raise ConfigError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
+        prompts = ["def "]
+    sampling = SamplingParams(
+        temperature=0.0 if args.greedy else args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+    )
+    options = GenerationOptions(
+        max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens
+    )
+    generator = Generator(
+        model,
+        layout=config.create("kv_layout"),
+        backend=config["decode.backend"],
+        device=config["decode.device"],
+        threads=config["decode.threads"],
+        sampling=sampling,
+        options=options,
+    )
+    if args.json:
+        result = generator.generate(prompts)
+        out: dict[str, Any] = {"tokens": [list(t) for t in result.tokens]}
+        if result.text is not None:
+            out["text"] = list(result.text)
+        out["metrics"] = result.metrics.to_dict()
+        out["finish_reasons"] = list(result.finish_reasons)
+        if result.notes:
+            out["notes"] = list(result.notes)
+        print(json.dumps(out))
+        return 0
+
+    stream = generator.stream(prompts)
+    if len(prompts) == 1 and generator.tokenizer is not None:
+        # One row with text: print it as it is generated.
+        prompt = prompts[0]
+        print(prompt if isinstance(prompt, str) else "", end="", flush=True)
+        for step in stream:
+            print(step.text[0] if step.text else "", end="", flush=True)
+        print()
+    else:
+        for _ in stream:
+            pass
+    result = stream.result
+    _print_result(prompts, result)
+    return 0
+
+
+def _print_result(prompts: Sequence[str | list[int]], result: Any) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=120)
+    texts = result.text
+    if len(prompts) > 1 or texts is None:
+        for i, tokens in enumerate(result.tokens):
+            shown = texts[i] if texts is not None else ",".join(map(str, tokens))
+            console.print(f"[bold]row {i}[/bold] ({result.finish_reasons[i]}): {shown}")
+    for note in result.notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+    table = Table(title="metrics")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in result.metrics.to_dict().items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+def _cmd_kernels(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import ep.kernels  # noqa: F401  # importing registers every kernel
+    from ep.device import compile_all_kernels
+
+    rows = compile_all_kernels(args.arch)
+    if args.json:
+        print(json.dumps({"kernels": [dataclasses.asdict(r) for r in rows]}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"genai-ep kernels ({len(rows)})")
+    for col in ("kernel", "arch", "cubin bytes", "cache", "seconds"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r.name, r.arch, str(r.cubin_bytes), r.cache, f"{r.seconds:.2f}")
+    Console(width=140).print(table)
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

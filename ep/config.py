@@ -124,6 +124,10 @@ CORE_OPTIONS: dict[str, Option] = {
     "decode.device": Option(
         "device", str, "cpu", "where the model runs", choices=("cpu", "cuda")
     ),
+    "decode.threads": Option(
+        "threads", int, 0, "ONNX Runtime intra-op threads (0: its default)",
+        check=lambda v: "" if v >= 0 else "must be 0 (default) or more",
+    ),
     "decode.sync_every": Option(
         "sync_every", int, 1, "decode steps between host synchronisations", check=_positive
     ),

@@ -63,9 +63,15 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens))
 
-    def stream(self, *, skip_special_tokens: bool = True) -> TokenStream:
-        """An incremental decoder for one sequence of streamed tokens."""
-        return TokenStream(self, skip_special_tokens=skip_special_tokens)
+    def stream(
+        self, *, context: Sequence[int] = (), skip_special_tokens: bool = True
+    ) -> TokenStream:
+        """An incremental decoder for one sequence of streamed tokens.
+
+        ``context``: the ids before the first streamed token (the prompt), so that the first
+        fragment carries the space or byte that joins it to the prompt.
+        """
+        return TokenStream(self, context=context, skip_special_tokens=skip_special_tokens)
 
     def __repr__(self) -> str:
         return f"Tokenizer({str(self.path)!r})"
@@ -80,12 +86,21 @@ class TokenStream:
     back until the next token completes it; `flush` releases whatever is left.
     """
 
-    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = True) -> None:
+    # Prompt tokens kept as decoding context: enough to join words and finish a character.
+    CONTEXT_TOKENS = 4
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        *,
+        context: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = [int(i) for i in context[-self.CONTEXT_TOKENS :]]
         self._prefix = 0  # start of the decoding window
-        self._read = 0  # tokens before this index have been emitted
+        self._read = len(self._ids)  # tokens before this index have been emitted
 
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text ("" while a character is incomplete)."""

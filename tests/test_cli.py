@@ -64,7 +64,7 @@ def test_config_show_reports_sources(capsys, tmp_path: Path, monkeypatch) -> Non
     ],
 )
 def test_errors_are_one_message_without_traceback(capsys, argv, message) -> None:
-    code, out, err = run_cli(capsys, *argv)
+    code, _, err = run_cli(capsys, *argv)
     assert code == 2
     assert err.startswith("genai-ep: error: ") and message in err
     assert "Traceback" not in err

@@ -33,7 +33,8 @@ __all__ = [
 ]
 
 # One prompt (text or token ids) or a batch of them.
-Prompts = str | Sequence[int] | np.ndarray | Sequence[str] | Sequence[Sequence[int]]
+# One prompt (text or ids) or a batch of them; a batch may mix text and ids.
+Prompts = str | Sequence[int] | np.ndarray | Sequence[str | Sequence[int]]
 
 
 @dataclass(frozen=True)
@@ -354,7 +355,9 @@ class Generator:
         if wants_text and tokenizer is None:
             notes.append(f"text not decoded: {self._tokenizer_problem or INSTALL_HINT}")
         streams: list[TokenStream] | None = (
-            [tokenizer.stream() for _ in range(batch)] if emit and tokenizer else None
+            [tokenizer.stream(context=[int(t) for t in p]) for p in prompts]
+            if emit and tokenizer
+            else None
         )
         greedy_fast = sampling.greedy and not sampling.uses_history
         rngs = None if sampling.greedy else make_rngs(sampling.seed, batch)

@@ -8,6 +8,8 @@ from `random_weights` or `load_hf_checkpoint`; `convert_checkpoint` does both st
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ._build import build_model, convert_checkpoint, genai_config
 from ._cli import add_build_arguments, run_build
 from ._contrib import ContribEmitter
@@ -17,7 +19,11 @@ from ._spec import DTYPES, DType, ModelSpec
 from ._standard import StandardEmitter
 from ._weights import check_weights, expected_shapes, load_hf_checkpoint, random_weights
 
+# The bundled default model: a Hugging Face checkpoint trained by tools/train_default_model.py.
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
 __all__ = [
+    "DEFAULT_MODEL",
     "DTYPES",
     "FLAVOURS",
     "ContribEmitter",

@@ -122,8 +122,13 @@ def test_stream_yields_the_tokens_of_generate(fp32_generator: Generator, expecte
     result = stream.result
     assert [list(t) for t in result.tokens] == expected["genai-fp32"]
     assert result.text is not None and steps[0].text is not None
+    tok = fp32_generator.tokenizer
+    assert tok is not None
     for b in range(4):
-        assert "".join(s.text[b] for s in steps if s.text) == result.text[b]
+        streamed = "".join(s.text[b] for s in steps if s.text)
+        # Streamed text continues the prompt (it carries the joining space).
+        assert tok.decode(prompts[b]) + streamed == tok.decode([*prompts[b], *result.tokens[b]])
+        assert streamed.lstrip() == result.text[b]
 
 
 def test_stream_result_before_the_end_is_an_error(fp32_generator: Generator) -> None:
