@@ -38,6 +38,7 @@ def register(session_options: Any, registry: Registry | None = None) -> Any:
 
     return register_session_options(session_options, registry)
 
+
 __all__ = [
     "Budget",
     "Config",
