@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from ep.config import Config, load_config
@@ -168,12 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
     p.add_argument("--min-new-tokens", type=int, default=0, metavar="N",
                    help="EOS and stop ids are masked until this many new tokens")  # fmt: skip
-    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 turns it off")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    sampling = p.add_argument_group(
+        "sampling (flags not given fall back to the model's genai_config.json search defaults)"
+    )
+    sampling.add_argument("--greedy", action="store_true", help="argmax decoding")
+    sampling.add_argument("--temperature", type=float, help="0 means greedy")
+    sampling.add_argument("--top-k", type=int, help="0 turns it off")
+    sampling.add_argument("--top-p", type=float, help="nucleus sampling, in (0, 1]")
+    sampling.add_argument("--min-p", type=float, help="drop tokens below min_p × the top one")
+    sampling.add_argument("--repetition-penalty", type=float, help="1 turns it off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true",
                    help='print one JSON object: {"tokens", "text", "metrics"}')  # fmt: skip
@@ -188,6 +192,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_build_arguments(p)
     p.set_defaults(func=run_build)
+
+    p = sub.add_parser(
+        "rewrite",
+        help="rewrite an existing decoder into this project's ops (the ep flavour)",
+        description="Rewrite an onnxruntime-genai (contrib) or standard decoder into ai.genai_ep "
+        "ops over a runtime-owned KV cache; OUT runs with genai-ep run --model OUT. Prints what "
+        "was rewritten and, for everything left alone, why.",
+    )
+    p.add_argument("model", metavar="MODEL", help="onnxruntime-genai folder or decoder .onnx")
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="folder to write")
+    p.add_argument("--force", action="store_true", help="replace OUT when it is not empty")
+    p.add_argument("--keep-matmul", action="store_true",
+                   help="keep dense ONNX MatMuls (no named weights)")  # fmt: skip
+    p.add_argument("--int4-float", action="store_true",
+                   help="rewrite MatMulNBits with accuracy_level 4 too (float32)")  # fmt: skip
+    p.add_argument("--strict", action="store_true", help="fail when anything is left alone")
+    p.add_argument("--context-length", type=int, default=None, metavar="N",
+                   help="context length of a bare .onnx without genai_config.json")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_cmd_rewrite)
 
     p = sub.add_parser(
         "kernels",
@@ -213,10 +237,39 @@ def _prompt_ids(text: str) -> list[int]:
     return ids
 
 
+_SAMPLING_FLAGS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+def _sampling(args: argparse.Namespace, genai_config: Path | None) -> Any:
+    """Sampling from the flags; flags not given fall back to the model's ``search`` defaults.
+
+    As onnxruntime-genai does: ``genai_config.json``'s search section (``do_sample``,
+    ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``) is the model's default, and
+    ``do_sample: false`` (or ``--greedy``) means argmax.
+    """
+    from ep.sampling import SamplingParams
+
+    search: dict[str, Any] = {}
+    if genai_config is not None:
+        search = json.loads(genai_config.read_text()).get("search", {}) or {}
+    given = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None}
+    if args.greedy:
+        given["temperature"] = 0.0
+    sampled = bool(search.get("do_sample", False))
+    values: dict[str, Any] = {
+        "temperature": float(search.get("temperature", 1.0)) if sampled else 0.0,
+        "top_k": int(search.get("top_k", 0)) if sampled else 0,
+        "top_p": float(search.get("top_p", 1.0)) if sampled else 1.0,
+        "min_p": 0.0,
+        "repetition_penalty": float(search.get("repetition_penalty", 1.0)),
+    }
+    values.update(given)
+    return SamplingParams(**values, seed=args.seed)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from ep.model import load_model
     from ep.runtime import GenerationOptions, Generator
-    from ep.sampling import SamplingParams
 
     _, config = host_and_config(args)
     if config["decode.backend"] != "ort":
@@ -231,14 +284,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if not bundled:
             raise ConfigError("give a prompt: --prompt TEXT or --prompt-ids 1,2,3 (repeatable)")
         prompts = ["def "]
-    sampling = SamplingParams(
-        temperature=0.0 if args.greedy else args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        seed=args.seed,
-    )
+    sampling = _sampling(args, model.genai_config)
     options = GenerationOptions(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens
     )
@@ -297,6 +343,21 @@ def _print_result(prompts: Sequence[str | list[int]], result: Any) -> None:
     for key, value in result.metrics.to_dict().items():
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     console.print(table)
+
+
+def _cmd_rewrite(args: argparse.Namespace) -> int:
+    """``genai-ep rewrite MODEL -o OUT``: see ep.rewrite."""
+    from ep.rewrite import RewriteOptions, rewrite_model
+
+    options = RewriteOptions(
+        named_weights=not args.keep_matmul,
+        int4_float=args.int4_float,
+        strict=args.strict,
+        context_length=args.context_length,
+    )
+    report = rewrite_model(args.model, args.output, options=options, force=args.force)
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.describe())
+    return 0
 
 
 def _cmd_kernels(args: argparse.Namespace) -> int:

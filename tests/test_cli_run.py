@@ -98,3 +98,35 @@ def test_build_then_run(tmp_path: Path, capsys) -> None:
     result = run_json(capsys, "--model", str(out), "--prompt-ids", "3,4,5", "--prompt-ids", "7",
                       "--max-new-tokens", "5", "--min-new-tokens", "5")  # fmt: skip
     assert [len(t) for t in result["tokens"]] == [5, 5]
+
+
+def test_run_without_arguments_writes_python_with_the_bundled_model(
+    capsys, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("GENAI_EP_CACHE", str(tmp_path / "cache"))
+    code = main(["run", "--max-new-tokens", "40", "--seed", "0"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    text = out.split("metrics")[0]
+    assert text.startswith("def ")
+    # Python-looking: indentation, and some of its punctuation.
+    assert "\n    " in text or "(" in text or ":" in text
+    assert "tokens_per_s" in out
+
+
+def test_sampling_defaults_come_from_the_models_search_section(capsys, tmp_path: Path) -> None:
+    import shutil
+
+    model = tmp_path / "sampled"
+    shutil.copytree(TINY / "genai-fp32", model)
+    config = json.loads((model / "genai_config.json").read_text())
+    config["search"].update(do_sample=True, temperature=1.5, top_k=0)
+    (model / "genai_config.json").write_text(json.dumps(config))
+    base = ["--model", str(model), "--prompt-ids", "5,6,7",
+            "--max-new-tokens", "16", "--min-new-tokens", "16"]  # fmt: skip
+    greedy_original = run_json(capsys, *base[:1], str(TINY / "genai-fp32"), *base[2:])["tokens"]
+    assert run_json(capsys, *base, "--greedy")["tokens"] == greedy_original
+    assert run_json(capsys, *base, "--temperature", "0")["tokens"] == greedy_original
+    a = run_json(capsys, *base, "--seed", "1")["tokens"]
+    assert a == run_json(capsys, *base, "--seed", "1")["tokens"]
+    assert a != greedy_original  # sampled at temperature 1.5 by the model's own default

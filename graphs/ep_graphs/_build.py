@@ -15,7 +15,7 @@ import onnx
 
 from ep.errors import ConfigError, ModelError
 
-from . import _contrib, _standard  # noqa: F401 - importing registers the built-in flavours
+from . import _contrib, _ep, _standard  # noqa: F401 - importing registers the built-in flavours
 from ._flavour import WeightSource, get_flavour
 from ._graph import GraphBuilder
 from ._quant import Int4Options
@@ -105,6 +105,22 @@ def genai_config(
     }
 
 
+# Hugging Face generation_config.json keys that become genai_config.json "search" defaults.
+_SEARCH_KEYS = ("do_sample", "temperature", "top_k", "top_p", "repetition_penalty")
+
+
+def search_defaults(checkpoint_dir: Path) -> dict[str, Any]:
+    """The sampling defaults of a checkpoint's ``generation_config.json`` (empty when absent)."""
+    path = checkpoint_dir / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
+    return {k: found[k] for k in _SEARCH_KEYS if k in found}
+
+
 def _tokenizer_files(tokenizer_dir: Path) -> list[Path]:
     if not tokenizer_dir.is_dir():
         raise ModelError(f"tokenizer folder {tokenizer_dir} does not exist")
@@ -167,6 +183,8 @@ def build_model(
             has_position_ids=emitter_cls.has_position_ids,
             past_present_share_buffer=emitter_cls.past_present_share_buffer,
         )
+        if tokenizer_dir is not None:
+            config["search"].update(search_defaults(Path(tokenizer_dir)))
         (staging / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n")
         for path in tokenizer_files:
             shutil.copyfile(path, staging / path.name)
