@@ -88,6 +88,17 @@ class DecoderIO:
     attention_mask_dtype: str = "int64"
     position_ids_dtype: str = "int64"
     logits_dtype: str = "float32"
+    # Graphs whose KV cache the runtime owns (ep flavour, `runtime_kv`): no past/present and no
+    # attention mask (``attention_mask`` is ""); ``positions`` [B, S] int64 gives each token's
+    # cache slot (< 0: padding), ``kv_cache`` the KV_CACHES handle, ``kv_geometry`` the layout.
+    positions: str | None = None
+    kv_cache: str | None = None
+    kv_geometry: str | None = None
+
+    @property
+    def runtime_kv(self) -> bool:
+        """Whether the KV cache is reached through a handle instead of past/present tensors."""
+        return self.kv_cache is not None
 
 
 @dataclass(frozen=True)
@@ -143,7 +154,11 @@ class DecoderModel:
             f"{self.onnx_path} ({self.kind}, flavour {self.flavour}): {self.num_layers} layers, "
             f"{self.kv_heads} KV heads of {self.head_dim} ({self.kv_dtype}), vocab "
             f"{self.vocab_size}, context {self.context_length}, "
-            f"{'shared' if self.share_buffer else 'concatenated'} past/present"
+            + (
+                "runtime-owned KV cache (handle + geometry inputs)"
+                if self.io.runtime_kv
+                else f"{'shared' if self.share_buffer else 'concatenated'} past/present"
+            )
         )
 
 
@@ -436,9 +451,11 @@ def _gqa_info(graph: Any) -> _GQA | None:
         node_ = producers.get(name)
         if node_ is None or depth > 4:
             return None
-        if node_.op_type == "MatMul" and node_.input[1] in dims:
+        if node_.op_type == "BitCast":  # the float16/bfloat16 carrier of one of our ops
+            return width(node_.input[0], depth + 1)
+        if node_.op_type == "MatMul" and node_.domain != EP_DOMAIN and node_.input[1] in dims:
             return int(dims[node_.input[1]][-1])
-        if node_.op_type == "MatMulNBits":
+        if node_.op_type == "MatMulNBits" or node_.domain == EP_DOMAIN:
             for a in node_.attribute:
                 if a.name == "N":
                     return int(a.i)
@@ -538,6 +555,10 @@ def _inspect(
     cfg_in = dcfg.get("inputs", {}) if isinstance(dcfg, dict) else {}
     cfg_out = dcfg.get("outputs", {}) if isinstance(dcfg, dict) else {}
 
+    if _has_runtime_kv(graph):
+        return _inspect_runtime_kv(
+            source, kind, onnx_path, folder, config_path, config, context_length, model
+        )
     ids = _find(inputs, cfg_in.get("input_ids", "input_ids"), "token ids", where)
     mask = _find(inputs, cfg_in.get("attention_mask", "attention_mask"), "attention mask", where)
     pos_name = cfg_in.get("position_ids", "position_ids")
@@ -655,11 +676,12 @@ def _inspect(
     if flavour == "contrib":
         share = True
     elif flavour == "ep":
-        # This project's attention op writes into a fixed-capacity cache when the graph says so by
-        # giving past and present the same sequence dim (genai_config's share flag is not
-        # evidence: builders write it for concat graphs too).
+        # This project's ops beside past/present I/O (e.g. a rewrite that kept the attention):
+        # GroupQueryAttention writes in place; otherwise the graph says so by giving past and
+        # present the same sequence dim (genai_config's share flag is not evidence: builders
+        # write it for concat graphs too).
         past_seq, present_seq = past_vals[0].shape[2], present_vals[0].shape[2]
-        share = past_seq == present_seq and past_seq != "?"
+        share = gqa is not None or (past_seq == present_seq and past_seq != "?")
     else:
         share = False
 
@@ -721,6 +743,238 @@ def _inspect(
         padding="right" if share else "left",
         num_heads=int(num_heads) if num_heads else None,
     )
+
+
+# --- graphs whose KV cache the runtime owns (ep flavour) -----------------------------------------
+
+_KV_COMMIT_OPS = ("KVCommit", "KVCommitPaged")
+_KV_ATTENTION_OPS = ("KVAttention", "KVAttentionPaged")
+
+
+def _ep_op(node: Any) -> tuple[str, dict[str, str]] | None:
+    """(op name, dtype signature) of a node in this project's domain, None for other nodes."""
+    if node.domain != EP_DOMAIN:
+        return None
+    from ep.ops import op_types
+
+    found = op_types().get(node.op_type)
+    return (found[0].name, dict(found[1])) if found else None
+
+
+def _has_runtime_kv(graph: Any) -> bool:
+    return any(n.domain == EP_DOMAIN and n.op_type.startswith("KVCommit") for n in graph.node)
+
+
+def _int_attr(node: Any, name: str) -> int | None:
+    return next((int(a.i) for a in node.attribute if a.name == name), None)
+
+
+def _inspect_runtime_kv(
+    source: str,
+    kind: SourceKind,
+    onnx_path: Path,
+    folder: Path,
+    config_path: Path | None,
+    config: Mapping[str, Any],
+    context_length: int | None,
+    model: Any,
+) -> DecoderModel:
+    """A graph whose KVCommit/KVAttention ops reach a runtime-owned cache through a handle.
+
+    I/O: input_ids, positions (int64 [B, S], < 0 = padding), kv_cache (int64 handle),
+    kv_geometry (int64 [7]) in; logits out. Layers, KV heads and the KV dtype come from the KV
+    ops; head_dim from genai_config.json (head_size) or the model's ``genai_ep.head_dim``
+    metadata.
+    """
+    where = str(onnx_path)
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    inputs = _values(i for i in graph.input if i.name not in initializers)
+    outputs = _values(graph.output)
+    mcfg = config.get("model", {}) if config else {}
+    dcfg = mcfg.get("decoder", {}) if isinstance(mcfg, dict) else {}
+    cfg_in = dcfg.get("inputs", {}) if isinstance(dcfg, dict) else {}
+    cfg_out = dcfg.get("outputs", {}) if isinstance(dcfg, dict) else {}
+    meta = {p.key: p.value for p in model.metadata_props}
+
+    ids = _find(inputs, cfg_in.get("input_ids", "input_ids"), "token ids", where)
+    pos = _find(inputs, cfg_in.get("positions", "positions"), "cache slot per token", where)
+    handle = _find(inputs, cfg_in.get("kv_cache", "kv_cache"), "KV cache handle", where)
+    geometry = _find(inputs, cfg_in.get("kv_geometry", "kv_geometry"), "KV geometry", where)
+    logits = _find(outputs, cfg_out.get("logits", "logits"), "logits", where, side="output")
+    known = {ids.name, pos.name, handle.name, geometry.name}
+    unknown = [n for n in inputs if n not in known]
+    if unknown:
+        raise ModelError(
+            f"{where} keeps its KV cache in the runtime (KVCommit/KVAttention) but has inputs "
+            f"this runtime cannot feed: {', '.join(unknown)}; it feeds input_ids, positions, "
+            "kv_cache and kv_geometry (paged KV ops with a block table are not driven yet)"
+        )
+    for value, want in ((pos, "[batch, seq]"), (handle, "[1]"), (geometry, "[7]")):
+        if value.dtype != "int64":
+            raise ModelError(
+                f"{where}: input {value.name!r} is {value.dtype}; expected int64 {want}"
+            )
+    _check_int_input(ids, where)
+
+    commits: dict[int, str] = {}
+    kv_heads_seen: set[int] = set()
+    attention_layers: set[int] = set()
+    kv_dtypes: set[str] = set()
+    for node in graph.node:
+        op = _ep_op(node)
+        if op is None or op[0] not in (*_KV_COMMIT_OPS, *_KV_ATTENTION_OPS):
+            continue
+        name, sig = op
+        label = f"{where}: node {node.name!r} ({node.op_type})"
+        layer = _int_attr(node, "layer")
+        if layer is None:
+            raise ModelError(f"{label} has no layer attribute; build it with ep.ops.make_nodes")
+        cache_in, geometry_in = node.input[-1], node.input[3]
+        if cache_in != handle.name or geometry_in != geometry.name:
+            raise ModelError(
+                f"{label} reads the cache handle {cache_in!r} and geometry {geometry_in!r}; "
+                f"expected the graph inputs {handle.name!r} and {geometry.name!r}, which the "
+                "runtime feeds"
+            )
+        kv_dtypes.add(sig.get("T", "float32"))
+        if name in _KV_COMMIT_OPS:
+            if layer in commits:
+                raise ModelError(
+                    f"{label} commits layer {layer}, which node {commits[layer]!r} commits "
+                    "too; each layer's K/V is written by exactly one KVCommit"
+                )
+            commits[layer] = node.name
+        else:
+            attention_layers.add(layer)
+            heads = _int_attr(node, "kv_heads")
+            if heads is not None:
+                kv_heads_seen.add(heads)
+    num_layers = len(commits)
+    if sorted(commits) != list(range(num_layers)) or attention_layers - set(commits):
+        raise ModelError(
+            f"{where}: KVCommit layers {sorted(commits)} and KVAttention layers "
+            f"{sorted(attention_layers)}; expected layers 0..N-1, each committed once"
+        )
+    cfg_layers = dcfg.get("num_hidden_layers") if isinstance(dcfg, dict) else None
+    if cfg_layers is not None and int(cfg_layers) != num_layers:
+        raise ModelError(
+            f"{where}: inconsistent layer counts: the graph commits KV for {num_layers} layers "
+            f"but genai_config.json says num_hidden_layers={cfg_layers}"
+        )
+    if len(kv_heads_seen) != 1:
+        raise ModelError(
+            f"{where}: the KVAttention nodes give kv_heads {sorted(kv_heads_seen) or 'none'}; "
+            "expected one value for every layer"
+        )
+    kv_heads = kv_heads_seen.pop()
+    _agree(kv_heads, dcfg.get("num_key_value_heads"), "kv_heads", where)
+    if len(kv_dtypes) != 1 or next(iter(kv_dtypes)) not in _KV_DTYPES:
+        raise ModelError(
+            f"{where}: the KV ops run in {sorted(kv_dtypes)}; expected one of {_KV_DTYPES}"
+        )
+    kv_dtype = kv_dtypes.pop()
+    head_size = dcfg.get("head_size") if isinstance(dcfg, dict) else None
+    if head_size is None:
+        head_size = meta.get("genai_ep.head_dim")
+    if head_size is None:
+        raise ModelError(
+            f"{where}: cannot tell the KV head_dim (the KV ops do not carry it) and there is no "
+            "genai_config.json head_size or 'genai_ep.head_dim' model metadata; add a "
+            "genai_config.json with head_size"
+        )
+    head_dim = int(head_size)
+
+    if logits.dtype not in _KV_DTYPES or len(logits.shape) != 3:
+        raise ModelError(
+            f"{where}: logits {logits.name!r} are {logits.dtype} of shape {list(logits.shape)}; "
+            f"expected [batch, sequence, vocab] in one of {_KV_DTYPES}"
+        )
+    vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else None
+    vocab = _agree(vocab, mcfg.get("vocab_size"), "vocab_size (logits width)", where)
+    if vocab is None:
+        raise ModelError(
+            f"{where}: the logits shape {list(logits.shape)} does not fix the vocabulary size "
+            "and no genai_config.json gives vocab_size; add one"
+        )
+
+    cfg_ctx = mcfg.get("context_length")
+    limit = _rotary_table_rows(graph, initializers)
+    if context_length is not None:
+        ctx = context_length
+    elif cfg_ctx is not None:
+        ctx = int(cfg_ctx)
+    elif limit is not None:
+        ctx = limit
+    else:
+        raise ModelError(
+            f"{where}: no context length known (no genai_config.json); pass context_length= "
+            "(the CLI's --context-length) with the longest sequence the model supports"
+        )
+    for bound, why in ((cfg_ctx, "genai_config.json context_length"), (limit, "rotary table")):
+        if bound is not None and ctx > int(bound):
+            raise ModelError(
+                f"{where}: context length {ctx} exceeds the model's {why} of {bound}; use at "
+                f"most {bound}"
+            )
+
+    bos, eos, pad = _special_ids(config, folder, vocab, where)
+    num_heads = dcfg.get("num_attention_heads") if isinstance(dcfg, dict) else None
+    io = DecoderIO(
+        input_ids=ids.name,
+        attention_mask="",
+        position_ids=None,
+        logits=logits.name,
+        past_keys=(),
+        past_values=(),
+        present_keys=(),
+        present_values=(),
+        input_ids_dtype=ids.dtype,
+        logits_dtype=logits.dtype,
+        positions=pos.name,
+        kv_cache=handle.name,
+        kv_geometry=geometry.name,
+    )
+    return DecoderModel(
+        source=source,
+        kind=kind,
+        onnx_path=onnx_path,
+        folder=folder,
+        genai_config=config_path,
+        tokenizer_dir=folder if (folder / "tokenizer.json").is_file() else None,
+        flavour="ep",
+        io=io,
+        num_layers=num_layers,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        kv_dtype=kv_dtype,
+        vocab_size=vocab,
+        context_length=ctx,
+        bos_token_id=bos,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        # The runtime's buffers are written in place at a fixed capacity; positions place every
+        # token, so a batch is left-padded (negative positions) like a standard graph's.
+        share_buffer=True,
+        padding="left",
+        num_heads=int(num_heads) if num_heads else None,
+    )
+
+
+def _rotary_table_rows(graph: Any, initializers: Mapping[str, Any]) -> int | None:
+    """Rows of the cos table a Rotary node reads (through a BitCast carrier if any)."""
+    producers = {out: n for n in graph.node for out in n.output}
+    for node in graph.node:
+        op = _ep_op(node)
+        if op is None or op[0] != "Rotary":
+            continue
+        name = node.input[2]
+        carrier = producers.get(name)
+        if carrier is not None and carrier.op_type == "BitCast":
+            name = carrier.input[0]
+        if name in initializers:
+            return int(initializers[name].dims[0])
+    return None
 
 
 # --- conversions through ep_graphs ---------------------------------------------------------------

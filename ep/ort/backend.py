@@ -18,22 +18,45 @@ bound depends on the graph (measured on onnxruntime 1.32, see tests/ort/test_gqa
 
 Per step nothing large is allocated: token, mask, position and logits buffers are bound once and
 rewritten in place; only a growth (rare) rebinds.
+
+* **runtime KV** (``ep`` graphs, `_RuntimeKVSteps`): the graph has no past/present. Its KVCommit /
+  KVAttention ops reach the layout's buffers through a `ep.ops.KV_CACHES` handle (input
+  ``kv_cache``) and read the layout's strides and capacity from ``kv_geometry``, so any contiguous
+  layout works. ``positions`` gives each token's cache slot; padding is negative, so a batch is
+  **left-padded** and each row's tokens still occupy slots 0..n-1. Growth goes through the layout,
+  then the handle is rebound and the geometry rewritten. Named-weight MatMuls resolve through a
+  resolver over the model's initializers, installed for the duration of each run.
+
+Every graph with this project's ops gets them registered into its session options, and after each
+run an op's stored error is raised (`ep.ops.raise_op_errors`): otherwise a failing op's outputs are
+zeros and the run "succeeds" with logits that are finite, plausible and wrong.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnxruntime as ort
 
-from ep.errors import ConfigError, GenerationError, ModelError
+from ep.errors import ConfigError, GenerationError, ModelError, OpError
 from ep.model import DecoderModel
+from ep.ops.runtime import (
+    KV_CACHES,
+    DictWeights,
+    WeightResolver,
+    get_weight_resolver,
+    set_weight_resolver,
+)
 from ep.ort.session import SessionConfig, SessionOptionsHook, create_session
 from ep.runtime.kv import KVCache
 from ep.seams import KVGeometry, KVLayout
 
-__all__ = ["OrtBackend"]
+__all__ = ["OrtBackend", "load_named_weights"]
 
 
 class OrtBackend:
@@ -48,13 +71,18 @@ class OrtBackend:
         *,
         session: SessionConfig | None = None,
         session_options_hook: SessionOptionsHook | None = None,
+        weights: WeightResolver | None = None,
     ) -> None:
+        """``weights``: the resolver for named-weight MatMuls of an ep graph (default: the
+        model's own initializers, loaded from its folder)."""
         if model.kv_dtype == "bfloat16":
             raise ConfigError(
                 f"{model.onnx_path}: the ort backend binds NumPy KV buffers, and NumPy has no "
                 "bfloat16 ONNX Runtime accepts; use an fp32/fp16 model or the native backend"
             )
         self.model = model
+        if model.flavour == "ep":
+            session_options_hook = _with_ops(session_options_hook)
         self.session = create_session(
             model.onnx_path, session, session_options_hook=session_options_hook
         )
@@ -73,9 +101,14 @@ class OrtBackend:
         self._logits_dtype = np.dtype(io.logits_dtype)
         self._kv_names = [
             (io.past_keys[i], io.present_keys[i], io.past_values[i], io.present_values[i])
-            for i in range(model.num_layers)
+            for i in range(len(io.past_keys))  # none for a runtime-KV graph
         ]
         self._run = self._runner()
+        self.weights: WeightResolver | None = None
+        if model.flavour == "ep":
+            self.weights = weights if weights is not None else load_named_weights(model.onnx_path)
+            self._run = _with_op_state(self._run, self.weights)
+        self._ep = _RuntimeKVSteps(self) if model.io.runtime_kv else None
         # Per-generation state, set by prefill.
         self._capacity = 0  # the cache's, mirrored: read every step
         self._batch = 0
@@ -99,14 +132,24 @@ class OrtBackend:
     @property
     def kv(self) -> KVCache:
         """The cache, its live lengths brought up to date (not done per step: nobody reads them)."""
-        if self._binding is not None:
+        if self._ep is not None:
+            if self._ep.binding is not None:
+                self._kv.live_lengths = tuple(int(n) for n in self._ep.lens)
+        elif self._binding is not None:
             self._kv.live_lengths = tuple(int(n) for n in self.lengths)
         return self._kv
 
     @property
     def lengths(self) -> np.ndarray:
         """Tokens held per row (for concat graphs: the common padded length)."""
+        if self._ep is not None:
+            return self._ep.lens.copy()
         return self._lens.copy() if self.model.share_buffer else np.full(self._batch, self._total)
+
+    def close(self) -> None:
+        """Release what outlives a step (the KV cache handle of an ep graph); idempotent."""
+        if self._ep is not None:
+            self._ep.release()
 
     def _runner(self) -> Callable[[Any], None]:
         """``run(binding)``: the session's pybind call when it is there.
@@ -157,6 +200,8 @@ class OrtBackend:
     # --- prefill -------------------------------------------------------------------------------
 
     def prefill(self, prompts: Sequence[np.ndarray], *, reserve: int = 0) -> np.ndarray:
+        if self._ep is not None:
+            return self._ep.prefill(prompts, reserve=reserve)
         model = self.model
         batch = len(prompts)
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
@@ -256,6 +301,8 @@ class OrtBackend:
     # --- decode --------------------------------------------------------------------------------
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
+        if self._ep is not None:
+            return self._ep.step(tokens)
         if self._binding is None:
             raise GenerationError("step() before prefill(): run a prefill first")
         if self.model.share_buffer:
@@ -370,3 +417,248 @@ class OrtBackend:
         self._stages = (nxt, cur)
         self._total = width
         self._commit(total, width)
+
+
+# --- graphs with this project's ops -------------------------------------------------------------
+
+
+def _with_ops(hook: SessionOptionsHook | None) -> SessionOptionsHook:
+    """A session options hook that registers this project's ops, then runs ``hook``."""
+
+    def register(options: ort.SessionOptions) -> None:
+        # Loaded here: only graphs with this project's ops need onnxruntime-extensions.
+        from ep.ops.ort_bridge import register_session_options
+
+        register_session_options(options)
+        if hook is not None:
+            hook(options)
+
+    return register
+
+
+def _with_op_state(
+    run: Callable[[Any], None], weights: WeightResolver | None
+) -> Callable[[Any], None]:
+    """``run(binding)`` with this backend's weight resolver installed for the run, raising an
+    op's stored error as an OpError afterwards.
+
+    A Python op's exception never crosses into ONNX Runtime (it would abort the process): the op
+    returns zeros and the error waits for the caller. Without the check a failed op is a run that
+    "succeeds" with zero outputs. The resolver is process-wide state, so it is set per run: two
+    backends with different weights can take turns.
+    """
+    from ep.ops.ort_bridge import raise_op_errors, take_op_errors
+
+    def checked(binding: Any) -> None:
+        take_op_errors()  # a stale error of an earlier, unchecked run is not this run's
+        previous = get_weight_resolver()
+        if weights is not None:
+            set_weight_resolver(weights)
+        try:
+            run(binding)
+        except Exception:
+            raise_op_errors()  # an op's error explains ONNX Runtime's failure: it wins
+            raise
+        finally:
+            if weights is not None:
+                set_weight_resolver(previous)
+        raise_op_errors()
+
+    return checked
+
+
+def load_named_weights(onnx_path: str | Path) -> DictWeights | None:
+    """A resolver over the initializers that MatMul nodes of ``ai.genai_ep`` name, read from the
+    model file and its external data; None when the graph has no named-weight MatMul."""
+    import onnx
+    from onnx import numpy_helper
+
+    from ep.ops import DOMAIN, op_types
+
+    path = Path(onnx_path)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    known = op_types()
+    wanted: dict[str, str] = {}  # weight name -> the first node naming it
+    for node in graph.node:
+        found = known.get(node.op_type) if node.domain == DOMAIN else None
+        if found is None or found[0].name != "MatMul":
+            continue
+        for attr in node.attribute:
+            if attr.name == "weight":
+                wanted.setdefault(attr.s.decode(), node.name)
+    if not wanted:
+        return None
+    arrays: dict[str, np.ndarray] = {}
+    for init in graph.initializer:
+        if init.name in wanted:
+            try:
+                arrays[init.name] = numpy_helper.to_array(init, str(path.parent))
+            except Exception as exc:  # onnx raises OSError, ValueError, ... for bad data
+                raise ModelError(
+                    f"{path}: cannot read weight {init.name!r} ({type(exc).__name__}: {exc}); "
+                    "copy the model's external data file beside it"
+                ) from None
+    missing = sorted(set(wanted) - set(arrays))
+    if missing:
+        name = missing[0]
+        raise ModelError(
+            f"{path}: MatMul node {wanted[name]!r} names weight {name!r}, which is not an "
+            f"initializer of the model ({len(missing)} such weight(s)); the weight attribute "
+            "must name an initializer the runtime can load"
+        )
+    return DictWeights(arrays)
+
+
+def _release_handle(handle: int) -> None:
+    with contextlib.suppress(OpError):  # already released elsewhere: nothing left to do
+        KV_CACHES.release(handle)
+
+
+class _RuntimeKVSteps:
+    """Prefill and decode of an ep graph: the cache is the runtime's, reached by handle.
+
+    Per step: the token and position buffers (bound once) are rewritten and the session runs
+    (with the backend's weight resolver, raising op errors: `_with_op_state`). A growth asks the
+    layout for the next bucket, rebinds the handle to the new buffers and rewrites the geometry
+    input in place (it is bound by address).
+    """
+
+    def __init__(self, backend: OrtBackend) -> None:
+        model = backend.model
+        self.backend = backend
+        self.model = model
+        self.io = model.io
+        self.handle = 0
+        self._finalizer: weakref.finalize | None = None
+        self.handle_input = np.zeros(1, dtype=np.int64)
+        self.geometry = np.zeros(7, dtype=np.int64)
+        self.capacity = 0
+        self.binding: Any = None
+        self.lens = np.zeros(0, dtype=np.int64)
+        self.tok = np.zeros((0, 1), dtype=np.dtype(model.io.input_ids_dtype))
+        self.pos = np.zeros((0, 1), dtype=np.int64)
+        self.logits = np.zeros((0, 1, model.vocab_size), dtype=np.dtype(model.io.logits_dtype))
+        self.logits32: np.ndarray = np.zeros((0, model.vocab_size), dtype=np.float32)
+        self.convert_logits = self.logits.dtype != np.float32
+
+    # --- the cache handle ------------------------------------------------------------------
+
+    def _buffers(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        kv = self.backend._kv
+        return list(zip(kv.keys, kv.values, strict=True))
+
+    def _bind_cache(self, g: KVGeometry) -> None:
+        if g.strides.page_size:
+            raise ConfigError(
+                f"KV layout {g.layout!r} is paged (page_size {g.strides.page_size}); this ep "
+                "graph's KVCommit/KVAttention address a contiguous cache. Use a contiguous "
+                "layout (head_major, seq_major) with it"
+            )
+        from ep.ops.kv import kv_geometry
+
+        if self.handle:
+            KV_CACHES.rebind(self.handle, self._buffers())
+        else:
+            self.handle = KV_CACHES.bind(self._buffers())
+            # Garbage collection releases the handle (and so the buffers) if close() is not called.
+            self._finalizer = weakref.finalize(self, _release_handle, self.handle)
+        self.handle_input[0] = self.handle
+        self.geometry[:] = kv_geometry(g)
+        self.capacity = g.capacity
+
+    def release(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self.handle = 0
+        self.binding = None
+
+    # --- running ---------------------------------------------------------------------------
+
+    def _run(self, binding: Any, phase: str) -> None:
+        try:
+            self.backend._run(binding)
+        except OpError:
+            self.binding = None  # the cache may hold half a step: the next call must prefill
+            raise
+        except Exception as exc:  # ORT raises RuntimeError/Fail/InvalidArgument...
+            self.binding = None
+            raise self.backend._failed(phase, exc) from None
+
+    def _bind(self, io: Any, name: str, array: np.ndarray) -> None:
+        io.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+    def prefill(self, prompts: Sequence[np.ndarray], *, reserve: int) -> np.ndarray:
+        model, io_names = self.model, self.io
+        batch = len(prompts)
+        lens = np.array([len(p) for p in prompts], dtype=np.int64)
+        if batch == 0 or lens.min() == 0:
+            raise GenerationError("prefill needs at least one prompt and no empty prompt")
+        width = int(lens.max())
+        if width >= model.context_length:
+            raise GenerationError(
+                f"a prompt of {width} tokens leaves no room in the context of "
+                f"{model.context_length} tokens"
+            )
+        kv = self.backend._kv
+        self.binding = None
+        kv.allocate(batch, width + 1, reserve=reserve)
+        g = kv.geometry
+        assert g is not None
+        self._bind_cache(g)
+
+        # Left padding: row b's tokens sit at the end, at positions 0..n-1 (cache slots 0..n-1);
+        # pads get -1, which the ops neither write nor attend.
+        pads = width - lens
+        ids = np.full((batch, width), model.pad_token_id, dtype=self.tok.dtype)
+        for b, p in enumerate(prompts):
+            ids[b, pads[b] :] = p
+        positions = np.arange(width, dtype=np.int64)[None, :] - pads[:, None]
+        positions[positions < 0] = -1
+
+        io = self.backend.session.io_binding()
+        io.bind_output(io_names.logits, "cpu")  # ORT allocates [B, S, V] once
+        io.bind_cpu_input(io_names.input_ids, ids)
+        assert io_names.positions and io_names.kv_cache and io_names.kv_geometry
+        io.bind_cpu_input(io_names.positions, positions)
+        self._bind(io, io_names.kv_cache, self.handle_input)
+        self._bind(io, io_names.kv_geometry, self.geometry)
+        self._run(io, "prefill")
+        # A copy now: rebinding the logits output below releases ORT's buffer.
+        last = np.array(io.get_outputs()[0].numpy()[:, -1], dtype=np.float32)
+
+        # Decode state: small buffers bound once, rewritten in place every step.
+        self.lens = lens.copy()
+        self.tok = np.zeros((batch, 1), dtype=self.tok.dtype)
+        self.pos = np.zeros((batch, 1), dtype=np.int64)
+        self.logits = np.empty((batch, 1, model.vocab_size), dtype=self.logits.dtype)
+        self.logits32 = (
+            np.empty((batch, model.vocab_size), dtype=np.float32)
+            if self.convert_logits
+            else self.logits[:, 0]
+        )
+        self._bind(io, io_names.input_ids, self.tok)
+        self._bind(io, io_names.positions, self.pos)
+        io.bind_output(
+            io_names.logits, "cpu", 0, self.logits.dtype, list(self.logits.shape),
+            self.logits.ctypes.data,
+        )  # fmt: skip
+        self.binding = io
+        return last
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        if self.binding is None:
+            raise GenerationError("step() before prefill(): run a prefill first")
+        needed = int(self.lens.max()) + 1
+        if needed > self.capacity:
+            kv = self.backend._kv
+            kv.ensure(needed, self.lens)
+            assert kv.geometry is not None
+            self._bind_cache(kv.geometry)
+        self.tok[:, 0] = tokens
+        self.pos[:, 0] = self.lens
+        self._run(self.binding, "decode step")
+        self.lens += 1
+        if self.convert_logits:
+            np.copyto(self.logits32, self.logits[:, 0], casting="unsafe")
+        return self.logits32

@@ -183,6 +183,7 @@ def build_model(
             has_position_ids=emitter_cls.has_position_ids,
             past_present_share_buffer=emitter_cls.past_present_share_buffer,
         )
+        config = emitter_cls.adjust_genai_config(config)
         if tokenizer_dir is not None:
             config["search"].update(search_defaults(Path(tokenizer_dir)))
         (staging / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n")

@@ -94,6 +94,11 @@ class DecoderEmitter(ABC):
     #: whether onnx.checker accepts the graph (it rejects ONNX Runtime ops in the ONNX domain)
     onnx_checkable: ClassVar[bool] = True
 
+    @classmethod
+    def adjust_genai_config(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The flavour's own changes to the genai_config.json `build_model` writes (none here)."""
+        return config
+
     def __init__(
         self,
         g: GraphBuilder,
