@@ -685,25 +685,8 @@ def _inspect(
     else:
         share = False
 
-    cfg_ctx = mcfg.get("context_length")
     limit = gqa.max_positions if gqa is not None else None
-    if context_length is not None:
-        ctx = context_length
-    elif cfg_ctx is not None:
-        ctx = int(cfg_ctx)
-    elif limit is not None:
-        ctx = limit
-    else:
-        raise ModelError(
-            f"{where}: no context length known (no genai_config.json); pass context_length= "
-            "(the CLI's --context-length) with the longest sequence the model supports"
-        )
-    for bound, why in ((cfg_ctx, "genai_config.json context_length"), (limit, "rotary table")):
-        if bound is not None and ctx > int(bound):
-            raise ModelError(
-                f"{where}: context length {ctx} exceeds the model's {why} of {bound}; use at "
-                f"most {bound}"
-            )
+    ctx = _context_length(context_length, mcfg.get("context_length"), limit, where)
 
     bos, eos, pad = _special_ids(config, folder, vocab, where)
     num_heads = dcfg.get("num_attention_heads") or (gqa.num_heads if gqa else None)
@@ -898,25 +881,8 @@ def _inspect_runtime_kv(
             "and no genai_config.json gives vocab_size; add one"
         )
 
-    cfg_ctx = mcfg.get("context_length")
     limit = _rotary_table_rows(graph, initializers)
-    if context_length is not None:
-        ctx = context_length
-    elif cfg_ctx is not None:
-        ctx = int(cfg_ctx)
-    elif limit is not None:
-        ctx = limit
-    else:
-        raise ModelError(
-            f"{where}: no context length known (no genai_config.json); pass context_length= "
-            "(the CLI's --context-length) with the longest sequence the model supports"
-        )
-    for bound, why in ((cfg_ctx, "genai_config.json context_length"), (limit, "rotary table")):
-        if bound is not None and ctx > int(bound):
-            raise ModelError(
-                f"{where}: context length {ctx} exceeds the model's {why} of {bound}; use at "
-                f"most {bound}"
-            )
+    ctx = _context_length(context_length, mcfg.get("context_length"), limit, where)
 
     bos, eos, pad = _special_ids(config, folder, vocab, where)
     num_heads = dcfg.get("num_attention_heads") if isinstance(dcfg, dict) else None
@@ -959,6 +925,29 @@ def _inspect_runtime_kv(
         padding="left",
         num_heads=int(num_heads) if num_heads else None,
     )
+
+
+def _context_length(given: int | None, configured: Any, table_rows: int | None, where: str) -> int:
+    """The context: given, else genai_config's, else the rotary table's; never above a bound."""
+    if given is not None:
+        ctx = given
+    elif configured is not None:
+        ctx = int(configured)
+    elif table_rows is not None:
+        ctx = table_rows
+    else:
+        raise ModelError(
+            f"{where}: no context length known (no genai_config.json); pass context_length= "
+            "(the CLI's --context-length) with the longest sequence the model supports"
+        )
+    bounds = ((configured, "genai_config.json context_length"), (table_rows, "rotary table"))
+    for bound, why in bounds:
+        if bound is not None and ctx > int(bound):
+            raise ModelError(
+                f"{where}: context length {ctx} exceeds the model's {why} of {bound}; use at "
+                f"most {bound}"
+            )
+    return ctx
 
 
 def _rotary_table_rows(graph: Any, initializers: Mapping[str, Any]) -> int | None:
