@@ -91,3 +91,23 @@ class CudaCallError(DeviceError):
 
 class KernelRegistryError(DeviceError, ValueError):
     """A kernel name is unknown, or two different kernels were registered under one name."""
+
+
+# --- CUDA kernels of the ops (ep/kernels) ------------------------------------------------------
+
+__all__ += ["KernelArgumentError", "KernelFaultError"]
+
+
+class KernelArgumentError(DeviceError, ValueError):
+    """A kernel wrapper got buffers or sizes that do not fit the kernel (dtype, size, range)."""
+
+
+class KernelFaultError(OpError):
+    """A kernel met bad data on the device (an id, position or page out of range) and flagged it.
+
+    ``faults`` holds the `ep.kernels.KernelFault` bits that were set.
+    """
+
+    def __init__(self, message: str, *, faults: int = 0) -> None:
+        super().__init__(message)
+        self.faults = faults

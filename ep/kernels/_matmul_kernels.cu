@@ -1,0 +1,1264 @@
+// The matmul-family kernels of genai-ep (loaded by ep/kernels/matmul.py, which appends one
+// extern "C" entry per kernel and documents the launch geometry).
+//
+//   y[M, N] = x[M, K] @ W^T      W dense [N, K] ("nk"), dense [K, N] ("kn"),
+//                                4-bit MatMulNBits blocks ("q4") or OCP MXFP4 blocks ("mx4").
+//
+// Decode (M <= 16): GEMV kernels that stream every weight byte exactly once per launch for all M
+// rows. fp16/bf16 run the products on tensor cores (mma.sync m16n8k16: dense weights as the B
+// operand with the M rows padded to 16; dequantized 4-bit/MXFP4 weights as the A operand with
+// the M rows padded to 8, or 16 in two MMAs), fp32 on the SIMT cores. K is split over the warps
+// of a block (kw) and, with a workspace, over blocks (gy); partial sums are added in a fixed
+// order, so results never depend on timing or on M.
+// Prefill (M > 16): tiled GEMMs, 64x64 output tiles; tensor cores for fp16/bf16, SIMT for fp32.
+// Every kernel accumulates in fp32 and rounds once to the output type.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define EPK_W16 1u  // weight rows allow 16-byte loads (aligned base, row stride multiple of 16)
+#define EPK_X16 2u  // activation rows allow 16-byte loads
+#define EPK_ZP 4u   // q4: packed zero points are given (else every zero point is 8)
+#define EPK_W8 8u   // q4/mx4 GEMM: weight base aligned to 8 bytes
+
+namespace epk {
+
+__device__ __forceinline__ uint4 zero4() { return make_uint4(0u, 0u, 0u, 0u); }
+
+__device__ __forceinline__ u32 word_at(const uint4& v, int i) {
+  return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// Weights are read once per launch: keep them out of L1 so the activations stay there.
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint2 ld_stream8(const void* p) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_cached(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// --- element types ---------------------------------------------------------------------------
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<float> {
+  typedef u32 Bits;
+  static constexpr int kVec = 4;  // elements per 16 bytes
+  __device__ static float from_f(float v) { return v; }
+};
+
+template <>
+struct Elem<__half> {
+  typedef u16 Bits;
+  static constexpr int kVec = 8;
+  static constexpr u32 kMagic = 0x6400u;  // 1024.0: the bits 0x6400 | q are 1024 + q exactly
+  __device__ static __half from_f(float v) { return __float2half_rn(v); }
+};
+
+template <>
+struct Elem<__nv_bfloat16> {
+  typedef u16 Bits;
+  static constexpr int kVec = 8;
+  static constexpr u32 kMagic = 0x4300u;  // 128.0: the bits 0x4300 | q are 128 + q exactly
+  __device__ static __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+};
+
+// Packed pair arithmetic on two 16-bit floats in one register (low half = lower k).
+template <typename T>
+__device__ __forceinline__ u32 pk_sub(u32 a, u32 b);
+template <typename T>
+__device__ __forceinline__ u32 pk_mul(u32 a, u32 b);
+
+template <>
+__device__ __forceinline__ u32 pk_sub<__half>(u32 a, u32 b) {
+  u32 r;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <>
+__device__ __forceinline__ u32 pk_mul<__half>(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <>
+__device__ __forceinline__ u32 pk_sub<__nv_bfloat16>(u32 a, u32 b) {
+  u32 r;
+  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+template <>
+__device__ __forceinline__ u32 pk_mul<__nv_bfloat16>(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// c[4] += A(16x16, row) * B(16x8, col); fragment layout as in the PTX ISA for m16n8k16.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0,
+                                         u32 b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3,
+                                                 u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float (&c)[4], u32 a0, u32 a1, u32 a2,
+                                                        u32 a3, u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// 16 bytes of T from row[k0..] (elements at k >= len read as zero). `vec` says the 16-byte load
+// is aligned; a chunk that crosses `len`, or any chunk when `vec` is false, is read element-wise
+// by an out-of-line function, so the unrolled hot loops stay small.
+template <typename T>
+__device__ __noinline__ uint4 load_chunk_slow(const T* row, int k0, int len) {
+  typedef typename Elem<T>::Bits B;
+  const B* r = reinterpret_cast<const B*>(row);
+  u32 o[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    if (sizeof(T) == 4) {
+      o[e] = (k0 + e < len) ? (u32)r[k0 + e] : 0u;
+    } else {
+      const u32 lo = (k0 + 2 * e < len) ? (u32)r[k0 + 2 * e] : 0u;
+      const u32 hi = (k0 + 2 * e + 1 < len) ? (u32)r[k0 + 2 * e + 1] : 0u;
+      o[e] = lo | (hi << 16);
+    }
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 load_chunk(const T* row, int k0, int len, bool vec, bool stream) {
+  if (vec && k0 + Elem<T>::kVec <= len) return stream ? ld_stream(row + k0) : ld_cached(row + k0);
+  return load_chunk_slow<T>(row, k0, len);
+}
+
+// 16 bytes of a byte row starting at `off`, bytes at or past `len` read as zero (any alignment).
+__device__ __noinline__ uint4 load_bytes(const u8* row, int off, int len) {
+  u32 o[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    u32 v = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const int at = off + 4 * e + b;
+      if (at < len) v |= (u32)row[at] << (8 * b);
+    }
+    o[e] = v;
+  }
+  return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <typename T>
+__device__ __forceinline__ u32 scale_bits(const T* scales, size_t i) {
+  return (u32) reinterpret_cast<const typename Elem<T>::Bits*>(scales)[i];
+}
+
+// --- 4-bit decoding --------------------------------------------------------------------------
+
+// MatMulNBits: the 8 nibbles of `w` (k = 0..7, element 2i low nibble of byte i) as four pairs
+// ((q - zp) * s) of T, pair j = (k 2j, k 2j+1). `s2` holds the scale in both halves, `z2` the
+// bits of (magic + zero point) in both halves. Each nibble lands in the low byte of a half whose
+// high byte is the magic exponent byte: the half is then magic + q exactly, no convert needed.
+template <typename T>
+__device__ __forceinline__ void q4_pairs(u32 w, u32 s2, u32 z2, u32 (&p)[4]) {
+  const u32 magic = (Elem<T>::kMagic >> 8) * 0x01010101u;
+  const u32 lo = w & 0x0F0F0F0Fu;         // q0 q2 q4 q6
+  const u32 hi = (w >> 4) & 0x0F0F0F0Fu;  // q1 q3 q5 q7
+  const u32 e0 = __byte_perm(lo, hi, 0x5140u);  // q0 q1 q2 q3
+  const u32 e1 = __byte_perm(lo, hi, 0x7362u);  // q4 q5 q6 q7
+  p[0] = __byte_perm(e0, magic, 0x4140u);  // q0 M q1 M
+  p[1] = __byte_perm(e0, magic, 0x4342u);
+  p[2] = __byte_perm(e1, magic, 0x4140u);
+  p[3] = __byte_perm(e1, magic, 0x4342u);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) p[j] = pk_mul<T>(pk_sub<T>(p[j], z2), s2);
+}
+
+// OCP E2M1: the 8 codes of `w` as four pairs of bf16 bits (exact). The magnitudes come from
+// byte tables held in two registers each (prmt), the sign bit is moved to bit 15 of each half.
+__device__ __forceinline__ void e2m1_pairs_bf16(u32 w, u32 (&p)[4]) {
+  const u32 mag = w & 0x77777777u;
+  // codes 0..7 = 0, 0.5, 1, 1.5, 2, 3, 4, 6: bf16 0000 3F00 3F80 3FC0 4000 4040 4080 40C0
+  u32 h0 = __byte_perm(0x3F3F3F00u, 0x40404040u, mag);
+  u32 h1 = __byte_perm(0x3F3F3F00u, 0x40404040u, mag >> 16);
+  const u32 l0 = __byte_perm(0xC0800000u, 0xC0804000u, mag);
+  const u32 l1 = __byte_perm(0xC0800000u, 0xC0804000u, mag >> 16);
+  const u32 r0 = __byte_perm(w, 0u, 0x1100u);  // bytes b0 b0 b1 b1: signs at bits 3,15,19,31
+  const u32 r1 = __byte_perm(w, 0u, 0x3322u);
+  h0 |= ((r0 << 4) & 0x00800080u) | (r0 & 0x80008000u);
+  h1 |= ((r1 << 4) & 0x00800080u) | (r1 & 0x80008000u);
+  p[0] = __byte_perm(l0, h0, 0x5140u);
+  p[1] = __byte_perm(l0, h0, 0x7362u);
+  p[2] = __byte_perm(l1, h1, 0x5140u);
+  p[3] = __byte_perm(l1, h1, 0x7362u);
+}
+
+// The same as fp16 bits: every E2M1 magnitude has a zero low byte in fp16.
+__device__ __forceinline__ void e2m1_pairs_f16(u32 w, u32 (&p)[4]) {
+  const u32 mag = w & 0x77777777u;
+  // fp16 0000 3800 3C00 3E00 4000 4200 4400 4600
+  u32 h0 = __byte_perm(0x3E3C3800u, 0x46444240u, mag);
+  u32 h1 = __byte_perm(0x3E3C3800u, 0x46444240u, mag >> 16);
+  const u32 r0 = __byte_perm(w, 0u, 0x1100u);
+  const u32 r1 = __byte_perm(w, 0u, 0x3322u);
+  h0 |= ((r0 << 4) & 0x00800080u) | (r0 & 0x80008000u);
+  h1 |= ((r1 << 4) & 0x00800080u) | (r1 & 0x80008000u);
+  p[0] = __byte_perm(h0, 0u, 0x1404u);
+  p[1] = __byte_perm(h0, 0u, 0x3424u);
+  p[2] = __byte_perm(h1, 0u, 0x1404u);
+  p[3] = __byte_perm(h1, 0u, 0x3424u);
+}
+
+template <typename T>
+__device__ __forceinline__ void e2m1_pairs(u32 w, u32 (&p)[4]);
+template <>
+__device__ __forceinline__ void e2m1_pairs<__half>(u32 w, u32 (&p)[4]) {
+  e2m1_pairs_f16(w, p);
+}
+template <>
+__device__ __forceinline__ void e2m1_pairs<__nv_bfloat16>(u32 w, u32 (&p)[4]) {
+  e2m1_pairs_bf16(w, p);
+}
+
+// E8M0: 2^(e - 127); 255 is NaN.
+__device__ __forceinline__ float e8m0_f32(u32 e) {
+  return e == 255u ? __uint_as_float(0x7FC00000u)
+                   : (e == 0u ? __uint_as_float(0x00400000u) : __uint_as_float(e << 23));
+}
+
+template <typename T>
+__device__ __forceinline__ u32 e8m0_bits(u32 e);
+template <>
+__device__ __forceinline__ u32 e8m0_bits<__nv_bfloat16>(u32 e) {
+  return e == 255u ? 0x7FC0u : (e == 0u ? 0x0040u : (e << 7));
+}
+template <>
+__device__ __forceinline__ u32 e8m0_bits<__half>(u32 e) {
+  return (u32)__half_as_ushort(__float2half_rn(e8m0_f32(e)));
+}
+
+// --- weight rows (GEMV policies) ---------------------------------------------------------------
+//
+// A lane works on one row n and, per step i, one 16-byte chunk of it; the 4 lanes of a row cover
+// consecutive chunks. A chunk yields kUnits units of 8 consecutive k: `pairs` gives a unit as 4
+// pairs of T (tensor-core path), `floats` as 8 floats (fp32 path); unit_k is its first k.
+
+template <typename T>
+struct DenseRows {  // W [N, K]
+  const T* w;
+  int K;
+  bool vec;
+  static constexpr int kUnits = 1;
+  struct Raw {
+    uint4 a, b;  // b: the second 4 floats of an fp32 unit
+  };
+  __device__ int steps() const { return (K + 31) >> 5; }
+  __device__ int unit_k(int i, int t, int) const { return (i << 5) + (t << 3); }
+  __device__ Raw load(int n, int i, int t) const {
+    const T* row = w + (size_t)n * (size_t)K;
+    const int k0 = unit_k(i, t, 0);
+    Raw r;
+    r.a = load_chunk<T>(row, k0, K, vec, true);
+    r.b = sizeof(T) == 4 ? load_chunk<T>(row, k0 + 4, K, vec, true) : zero4();
+    return r;
+  }
+  __device__ static Raw none() { return Raw{zero4(), zero4()}; }
+  __device__ void pairs(const Raw& r, int, u32 (&p)[4]) const {
+    p[0] = r.a.x;
+    p[1] = r.a.y;
+    p[2] = r.a.z;
+    p[3] = r.a.w;
+  }
+  __device__ void floats(const Raw& r, int, float (&v)[8]) const {
+    v[0] = __uint_as_float(r.a.x);
+    v[1] = __uint_as_float(r.a.y);
+    v[2] = __uint_as_float(r.a.z);
+    v[3] = __uint_as_float(r.a.w);
+    v[4] = __uint_as_float(r.b.x);
+    v[5] = __uint_as_float(r.b.y);
+    v[6] = __uint_as_float(r.b.z);
+    v[7] = __uint_as_float(r.b.w);
+  }
+};
+
+template <typename T>
+struct Q4Rows {  // MatMulNBits: b [N, kb, bs/2], scales [N * kb] of T, zero points [N, ceil(kb/2)]
+  const u8* b;
+  const T* scales;
+  const u8* zp;
+  int kb, row_bytes, zp_row, bs_shift;
+  bool vec, has_zp;
+  static constexpr int kUnits = 4;
+  struct Raw {
+    uint4 q;
+    // The blocks of units 0-1 and of units 2-3 (the same block unless block_size is 16):
+    // fp16/bf16: scale bits and (magic | zero point) bits, each in both halves;
+    // fp32: scale bits and the zero point.
+    u32 s0, s1, z0, z1;
+  };
+  __device__ int steps() const { return (row_bytes + 63) >> 6; }
+  __device__ int unit_k(int i, int t, int u) const { return (i << 7) + (t << 5) + (u << 3); }
+  __device__ u32 zero_point(int n, int blk) const {
+    if (!has_zp) return 8u;
+    const u32 byte = zp[(size_t)n * (size_t)zp_row + (blk >> 1)];
+    return (blk & 1) ? (byte >> 4) : (byte & 15u);
+  }
+  __device__ static u32 pack_s(u32 s) { return sizeof(T) == 4 ? s : s * 0x10001u; }
+  __device__ static u32 pack_z(u32 z) {
+    if constexpr (sizeof(T) == 4) {
+      return z;
+    } else {
+      return (Elem<T>::kMagic | z) * 0x10001u;
+    }
+  }
+  __device__ Raw load(int n, int i, int t) const {
+    const int off = ((i << 2) + t) << 4;
+    if (off >= row_bytes) return none();  // zero scales: the padding decodes to exact zeros
+    const u8* row = b + (size_t)n * (size_t)row_bytes;
+    Raw r;
+    r.q = vec ? ld_stream(row + off) : load_bytes(row, off, row_bytes);
+    const int blk0 = (off << 1) >> bs_shift;  // k of the chunk's first unit, in blocks
+    const size_t base = (size_t)n * (size_t)kb;
+    r.s0 = pack_s(scale_bits<T>(scales, base + blk0));
+    r.z0 = pack_z(zero_point(n, blk0));
+    if (bs_shift >= 5) {  // blocks of >= 32: the chunk's 32 weights share one block
+      r.s1 = r.s0;
+      r.z1 = r.z0;
+    } else if (blk0 + 1 < kb) {  // blocks of 16: units 2-3 are in the next block
+      r.s1 = pack_s(scale_bits<T>(scales, base + blk0 + 1));
+      r.z1 = pack_z(zero_point(n, blk0 + 1));
+    } else {  // a half chunk at the end of the row
+      r.s1 = 0u;
+      r.z1 = pack_z(8u);
+    }
+    return r;
+  }
+  __device__ static Raw none() { return Raw{zero4(), 0u, 0u, pack_z(8u), pack_z(8u)}; }
+  __device__ void pairs(const Raw& r, int u, u32 (&p)[4]) const {
+    q4_pairs<T>(word_at(r.q, u), u < 2 ? r.s0 : r.s1, u < 2 ? r.z0 : r.z1, p);
+  }
+  __device__ void floats(const Raw& r, int u, float (&v)[8]) const {
+    const float s = __uint_as_float(u < 2 ? r.s0 : r.s1);
+    const float z = 8388608.0f + (float)(u < 2 ? r.z0 : r.z1);
+    const u32 w = word_at(r.q, u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      // 0x4B000000 | q is 2^23 + q exactly; subtracting 2^23 + zp leaves q - zp exactly.
+      v[j] = (__uint_as_float(0x4B000000u | ((w >> (4 * j)) & 15u)) - z) * s;
+    }
+  }
+};
+
+template <typename T>
+struct Mx4Rows {  // MXFP4: b [N, K/32, 16], scales [N, K/32] E8M0
+  const u8* b;
+  const u8* scales;
+  int kb, row_bytes;
+  bool vec;
+  static constexpr int kUnits = 4;
+  struct Raw {
+    uint4 q;
+    u32 e;  // the chunk's scale (a 16-byte chunk is exactly one MX block): fp16/bf16 bits in
+            // both halves, or for fp32 the E8M0 byte
+  };
+  __device__ int steps() const { return (row_bytes + 63) >> 6; }
+  __device__ int unit_k(int i, int t, int u) const { return (i << 7) + (t << 5) + (u << 3); }
+  __device__ Raw load(int n, int i, int t) const {
+    const int c = (i << 2) + t;
+    if ((c << 4) >= row_bytes) return none();
+    const u8* row = b + (size_t)n * (size_t)row_bytes;
+    Raw r;
+    r.q = vec ? ld_stream(row + (c << 4)) : load_bytes(row, c << 4, row_bytes);
+    const u32 e = scales[(size_t)n * (size_t)kb + c];
+    if constexpr (sizeof(T) == 4) {
+      r.e = e;
+    } else {
+      r.e = e8m0_bits<T>(e) * 0x10001u;
+    }
+    return r;
+  }
+  __device__ static Raw none() { return Raw{zero4(), 0u}; }  // codes 0 and scale 0: zeros
+  __device__ void pairs(const Raw& r, int u, u32 (&p)[4]) const {
+    e2m1_pairs<T>(word_at(r.q, u), p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = pk_mul<T>(p[j], r.e);
+  }
+  __device__ void floats(const Raw& r, int u, float (&v)[8]) const {
+    const float s = e8m0_f32(r.e);
+    u32 p[4];
+    e2m1_pairs_bf16(word_at(r.q, u), p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      v[2 * j] = __uint_as_float(p[j] << 16) * s;
+      v[2 * j + 1] = __uint_as_float(p[j] & 0xFFFF0000u) * s;
+    }
+  }
+};
+
+// --- GEMV: the reduction shared by every GEMV ----------------------------------------------
+//
+// Block = 8 warps. Warp w works on output group (w / kw) of the block and K slice (w % kw);
+// red[w][m][c] holds its partial sums for the group's COLS columns. The block adds its kw slices
+// in order; with gy > 1 each block (blockIdx.y = its K range) writes its sum to the workspace
+// [gy, M, N] and the last block to arrive adds the gy partial sums in order, writes y and resets
+// its counter to zero for the next launch.
+
+template <typename T, int COLS>
+__device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restrict__ y, float* ws,
+                                            u32* counters, int M, int N, int kw, int gy) {
+  __shared__ u32 s_last;
+  __syncthreads();
+  const int cols = (8 / kw) * COLS;
+  const int nb = blockIdx.x * cols;
+  const int total = M * cols;
+  for (int e = threadIdx.x; e < total; e += blockDim.x) {
+    const int m = e / cols, cl = e - m * cols;
+    const int grp = cl / COLS, col = cl - grp * COLS;
+    const int n = nb + cl;
+    if (n >= N) continue;
+    float s = 0.0f;
+    for (int q = 0; q < kw; ++q) s += red[grp * kw + q][m][col];
+    if (gy == 1) {
+      y[(size_t)m * N + n] = Elem<T>::from_f(s);
+    } else {
+      ws[((size_t)blockIdx.y * M + m) * N + n] = s;
+    }
+  }
+  if (gy == 1) return;
+  __threadfence();  // this block's partial sums are visible before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&counters[blockIdx.x], 1u) == (u32)(gy - 1) ? 1u : 0u;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < total; e += blockDim.x) {
+    const int m = e / cols, cl = e - m * cols;
+    const int n = nb + cl;
+    if (n >= N) continue;
+    float s = 0.0f;
+    for (int b = 0; b < gy; ++b) s += __ldcg(&ws[((size_t)b * M + m) * N + n]);
+    y[(size_t)m * N + n] = Elem<T>::from_f(s);
+  }
+  if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
+}
+
+// --- GEMV over weight rows (dense nk on fp16/bf16; nk, q4, mx4 on fp32) ----------------------
+//
+// Lane l: g = l / 4 is the row within the warp's group of 8 rows, t = l % 4 the chunk within a
+// step. Tensor-core path: the unit's 4 weight pairs are the B fragment of two m16n8k16 MMAs (B
+// column g = row n, B rows 2t, 2t+1, 2t+8, 2t+9 = the unit's k 0-1, 2-3 (first MMA) and 4-5, 6-7
+// (second)); x rows g and g + 8 at the same 8 k are the A fragment, so the k order inside an MMA
+// is a permutation that A and B share, and each lane loads its weights as one 16-byte vector.
+// fp32 path: each lane multiplies its 8 weights with the 8 x of every row m, then the 4 lanes of
+// a row are added with two shuffles.
+
+template <typename T, class P, int U>
+__device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T* __restrict__ x,
+                                         float* ws, u32* counters, int M, int N, int K, int kw,
+                                         int gy, u32 flags) {
+  __shared__ float red[8][16][8];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int group = blockIdx.x * (8 / kw) + warp / kw;
+  const int slice = blockIdx.y * kw + warp % kw;
+  const int slices = gy * kw;
+  const int n = group * 8 + g;
+  const bool row_ok = n < N;
+  const bool xv = (flags & EPK_X16) != 0;
+  const int steps = wp.steps();
+  typedef typename P::Raw Raw;
+  if constexpr (sizeof(T) == 4) {
+    float acc[16];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) acc[m] = 0.0f;
+    for (int i0 = slice; i0 < steps; i0 += U * slices) {
+      Raw raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        if (i >= steps) break;
+#pragma unroll 1  // the 16-row body is long already: unrolling units only grows the code
+        for (int v = 0; v < P::kUnits; ++v) {
+          float wv[8];
+          wp.floats(raw[u], v, wv);
+          const int kk = wp.unit_k(i, t, v);
+#pragma unroll
+          for (int m = 0; m < 16; ++m) {
+            if (m < M) {
+              const float* xr = reinterpret_cast<const float*>(x) + (size_t)m * K;
+              const uint4 a = load_chunk<float>(xr, kk, K, xv, false);
+              const uint4 b = load_chunk<float>(xr, kk + 4, K, xv, false);
+              float s = acc[m];
+              s = fmaf(__uint_as_float(a.x), wv[0], s);
+              s = fmaf(__uint_as_float(a.y), wv[1], s);
+              s = fmaf(__uint_as_float(a.z), wv[2], s);
+              s = fmaf(__uint_as_float(a.w), wv[3], s);
+              s = fmaf(__uint_as_float(b.x), wv[4], s);
+              s = fmaf(__uint_as_float(b.y), wv[5], s);
+              s = fmaf(__uint_as_float(b.z), wv[6], s);
+              s = fmaf(__uint_as_float(b.w), wv[7], s);
+              acc[m] = s;
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+      if (m < M) {
+        acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], 1);
+        acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], 2);
+      }
+      if ((m & 3) == t) red[warp][m][g] = acc[m];
+    }
+  } else {
+    // One accumulator per unit: the MMAs of a step form kUnits independent chains, not one.
+    float c[P::kUnits][4];
+#pragma unroll
+    for (int v = 0; v < P::kUnits; ++v) c[v][0] = c[v][1] = c[v][2] = c[v][3] = 0.0f;
+    const T* xa = x + (size_t)g * K;
+    const T* xb = x + (size_t)(g + 8) * K;
+    const bool a_ok = g < M, b_ok = g + 8 < M;
+    const bool two = M > 8;  // the same for every lane: rows 8..15 are all padding otherwise
+    for (int i0 = slice; i0 < steps; i0 += U * slices) {
+      Raw raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        if (i >= steps) break;  // the same for the whole warp: the MMAs stay converged
+        uint4 a[P::kUnits], b[P::kUnits];
+#pragma unroll
+        for (int v = 0; v < P::kUnits; ++v) {
+          const int kk = wp.unit_k(i, t, v);
+          a[v] = a_ok ? load_chunk<T>(xa, kk, K, xv, false) : zero4();
+          b[v] = zero4();
+          if (two && b_ok) b[v] = load_chunk<T>(xb, kk, K, xv, false);
+        }
+#pragma unroll
+        for (int v = 0; v < P::kUnits; ++v) {
+          u32 p[4];
+          wp.pairs(raw[u], v, p);
+          mma16816<T>(c[v], a[v].x, b[v].x, a[v].y, b[v].y, p[0], p[1]);
+          mma16816<T>(c[v], a[v].z, b[v].z, a[v].w, b[v].w, p[2], p[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int v = 1; v < P::kUnits; ++v) {
+#pragma unroll
+      for (int h = 0; h < 4; ++h) c[0][h] += c[v][h];
+    }
+    red[warp][g][2 * t] = c[0][0];
+    red[warp][g][2 * t + 1] = c[0][1];
+    red[warp][g + 8][2 * t] = c[0][2];
+    red[warp][g + 8][2 * t + 1] = c[0][3];
+  }
+  gemv_finish<T, 8>(red, y, ws, counters, M, N, kw, gy);
+}
+
+// --- GEMV with the weights as the MMA's A operand (4-bit and MXFP4, fp16/bf16) ----------------
+//
+// The dequantized weights are computed in registers, so they can be written straight into A
+// fragments: a warp group is 16 weight rows (A rows g and g + 8 of lane (g, t)), the activations
+// are B (batch row m = B column g, up to 8 per MMA; rows 8..15 take a second MMA on the same A).
+// Lane (g, t) dequantizes 8 k of rows n0 + g and n0 + g + 8 per unit; B is x[g][those 8 k] as
+// loaded: a 16-byte vector is already two B fragments. C[n][m] comes back as (g | g+8, 2t | 2t+1).
+
+template <typename T, class P, int U, bool TWO>
+__device__ __forceinline__ void wt_steps(const P& wp, const T* __restrict__ x, int M, int K,
+                                         int n_lo, bool lo_ok, bool hi_ok, int slice, int slices,
+                                         bool xv, float (&c)[2][2][4]) {
+  typedef typename P::Raw Raw;
+  constexpr int kStepK = 32 * P::kUnits;  // k one step covers (4 lanes x kUnits x 8)
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const bool m_lo = g < M, m_hi = g + 8 < M;
+  const T* x_lo = x + (size_t)g * K;
+  const T* x_hi = x + (size_t)(g + 8) * K;
+  const int steps = wp.steps();
+  for (int i0 = slice; i0 < steps; i0 += U * slices) {
+    Raw lo[U], hi[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * slices;
+      lo[u] = (lo_ok && i < steps) ? wp.load(n_lo, i, t) : P::none();
+      hi[u] = (hi_ok && i < steps) ? wp.load(n_lo + 8, i, t) : P::none();
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * slices;
+      if (i >= steps) break;  // the same for the whole warp: the MMAs stay converged
+      uint4 xl[P::kUnits], xh[P::kUnits];
+      if (xv && (i + 1) * kStepK <= K) {  // the whole step in range and aligned (warp-uniform)
+#pragma unroll
+        for (int v = 0; v < P::kUnits; ++v) {
+          const int kk = wp.unit_k(i, t, v);
+          xl[v] = m_lo ? ld_cached(x_lo + kk) : zero4();
+          if (TWO) xh[v] = m_hi ? ld_cached(x_hi + kk) : zero4();
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < P::kUnits; ++v) {
+          const int kk = wp.unit_k(i, t, v);
+          xl[v] = m_lo ? load_chunk<T>(x_lo, kk, K, xv, false) : zero4();
+          if (TWO) xh[v] = m_hi ? load_chunk<T>(x_hi, kk, K, xv, false) : zero4();
+        }
+      }
+#pragma unroll
+      for (int v = 0; v < P::kUnits; ++v) {
+        u32 a[4], b[4];
+        wp.pairs(lo[u], v, a);
+        wp.pairs(hi[u], v, b);
+        mma16816<T>(c[0][v & 1], a[0], b[0], a[1], b[1], xl[v].x, xl[v].y);
+        mma16816<T>(c[0][v & 1], a[2], b[2], a[3], b[3], xl[v].z, xl[v].w);
+        if (TWO) {
+          mma16816<T>(c[1][v & 1], a[0], b[0], a[1], b[1], xh[v].x, xh[v].y);
+          mma16816<T>(c[1][v & 1], a[2], b[2], a[3], b[3], xh[v].z, xh[v].w);
+        }
+      }
+    }
+  }
+}
+
+template <typename T, class P, int U>
+__device__ __forceinline__ void row_gemv_wt(const P& wp, T* __restrict__ y,
+                                            const T* __restrict__ x, float* ws, u32* counters,
+                                            int M, int N, int K, int kw, int gy, u32 flags) {
+  __shared__ float red[8][16][16];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int group = blockIdx.x * (8 / kw) + warp / kw;
+  const int slice = blockIdx.y * kw + warp % kw;
+  const int slices = gy * kw;
+  const int n_lo = group * 16 + g;
+  const bool xv = (flags & EPK_X16) != 0;
+  float c[2][2][4];  // [batch rows 0-7 | 8-15][two independent chains][fragment]
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) c[h][q][0] = c[h][q][1] = c[h][q][2] = c[h][q][3] = 0.0f;
+  if (M > 8) {  // warp-uniform: a branch-free loop for each case
+    wt_steps<T, P, U, true>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, c);
+  } else {
+    wt_steps<T, P, U, false>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, c);
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int m = 2 * t + 8 * h;
+    red[warp][m][g] = c[h][0][0] + c[h][1][0];
+    red[warp][m + 1][g] = c[h][0][1] + c[h][1][1];
+    red[warp][m][g + 8] = c[h][0][2] + c[h][1][2];
+    red[warp][m + 1][g + 8] = c[h][0][3] + c[h][1][3];
+  }
+  gemv_finish<T, 16>(red, y, ws, counters, M, N, kw, gy);
+}
+
+// --- GEMV over weight columns (dense kn: W [K, N]) ---------------------------------------------
+//
+// A warp owns a strip of 64 output columns. Tensor-core path: per step of 16 k, lane (g, t) loads
+// 8 consecutive columns (nbase + 8g ..) of the 4 weight rows k0 + 2t, 2t+1, 2t+8, 2t+9 as 16-byte
+// vectors; MMA j (j = 0..7) takes column nbase + 8g + j as its B column g, so the 8 MMAs cover the
+// 64 columns and byte permutes pair up the two k values of one column.
+
+template <typename T, int U>
+__device__ __forceinline__ void col_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                         const T* __restrict__ w, float* ws, u32* counters, int M,
+                                         int N, int K, int kw, int gy, u32 flags) {
+  __shared__ float red[8][16][64];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int group = blockIdx.x * (8 / kw) + warp / kw;
+  const int slice = blockIdx.y * kw + warp % kw;
+  const int slices = gy * kw;
+  const int nbase = group * 64;
+  const bool wv = (flags & EPK_W16) != 0;
+  if constexpr (sizeof(T) == 4) {
+    // Lane: 4 consecutive columns (cg), and one of the two k pairs of a step of 4 k (kp).
+    const int cg = lane & 15, kp = lane >> 4;
+    const int ncol = nbase + 4 * cg;
+    const int steps = (K + 3) >> 2;
+    float acc[16][4];
+#pragma unroll
+    for (int m = 0; m < 16; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.0f;
+    for (int i0 = slice; i0 < steps; i0 += U * slices) {
+      uint4 r[U][2];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int kr = 4 * i + 2 * kp + h;
+          r[u][h] = (i < steps && kr < K && ncol < N)
+                        ? load_chunk<float>(w + (size_t)kr * N, ncol, N, wv, true)
+                        : zero4();
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        if (i >= steps) break;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int kr = 4 * i + 2 * kp + h;
+          if (kr >= K) continue;
+#pragma unroll
+          for (int m = 0; m < 16; ++m) {
+            if (m < M) {
+              const float xs = x[(size_t)m * K + kr];
+              acc[m][0] = fmaf(xs, __uint_as_float(r[u][h].x), acc[m][0]);
+              acc[m][1] = fmaf(xs, __uint_as_float(r[u][h].y), acc[m][1]);
+              acc[m][2] = fmaf(xs, __uint_as_float(r[u][h].z), acc[m][2]);
+              acc[m][3] = fmaf(xs, __uint_as_float(r[u][h].w), acc[m][3]);
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < 16; ++m) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (m < M) acc[m][j] += __shfl_xor_sync(0xffffffffu, acc[m][j], 16);
+        if (kp == 0) red[warp][m][4 * cg + j] = acc[m][j];
+      }
+    }
+  } else {
+    const int g = lane >> 2, t = lane & 3;
+    const int ncol = nbase + 8 * g;
+    const int steps = (K + 15) >> 4;
+    typedef typename Elem<T>::Bits B;
+    const B* xb = reinterpret_cast<const B*>(x);
+    float c[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+    for (int i0 = slice; i0 < steps; i0 += U * slices) {
+      uint4 r[U][4];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int kr = 16 * i + 2 * t + (q & 1) + 8 * (q >> 1);
+          r[u][q] = (i < steps && kr < K && ncol < N)
+                        ? load_chunk<T>(w + (size_t)kr * N, ncol, N, wv, true)
+                        : zero4();
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        if (i >= steps) break;
+        const int k0 = 16 * i + 2 * t;
+        u32 a[4];  // A fragment: (row g, k0..k0+1), (row g+8, ..), (row g, k0+8..), (row g+8, ..)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int m = g + 8 * (q & 1);
+          const int k = k0 + 8 * (q >> 1);
+          u32 lo = 0u, hi = 0u;
+          if (m < M) {
+            const size_t at = (size_t)m * K + k;
+            if (k < K) lo = xb[at];
+            if (k + 1 < K) hi = xb[at + 1];
+          }
+          a[q] = lo | (hi << 16);
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          const u32 sel = (j & 1) ? 0x7632u : 0x5410u;
+          const u32 b0 = __byte_perm(word_at(r[u][0], j >> 1), word_at(r[u][1], j >> 1), sel);
+          const u32 b1 = __byte_perm(word_at(r[u][2], j >> 1), word_at(r[u][3], j >> 1), sel);
+          mma16816<T>(c[j], a[0], a[1], a[2], a[3], b0, b1);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      red[warp][g][16 * t + j] = c[j][0];
+      red[warp][g][16 * t + 8 + j] = c[j][1];
+      red[warp][g + 8][16 * t + j] = c[j][2];
+      red[warp][g + 8][16 * t + 8 + j] = c[j][3];
+    }
+  }
+  gemv_finish<T, 64>(red, y, ws, counters, M, N, kw, gy);
+}
+
+// --- tensor-core GEMM (fp16/bf16) ------------------------------------------------------------
+//
+// Block = 4 warps (2 x 2), tile 64 (M) x 64 (N) x 32 (K), each warp 32 x 32 = 2 x 4 MMA tiles.
+// Two shared-memory stages: the next tile's loads are in flight (cp.async, or loads into
+// registers stored after the MMAs) while the MMAs run on the current one. Fragments come from
+// shared memory through ldmatrix; rows are padded by 16 bytes so its 8 row reads hit distinct
+// banks.
+
+constexpr int TM = 64, TN = 64, TK = 32, LDT = TK + 8, LDKN = TN + 8;
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+  return (u32)__cvta_generic_to_shared(p);
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, u32 bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait1() { asm volatile("cp.async.wait_group 1;" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(u32 (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
+
+// A tile of 64 rows x 32 k of a row-major [rows, len] matrix into smem [64][LDT] (rows past
+// `rows` and k past `len` are zero). Used for x and for dense [N, K] weights.
+template <typename T>
+struct RowTile {
+  const T* src;
+  int rows, len, r0;
+  bool vec, stream;
+  uint4 reg[2];
+  __device__ void fetch(int kt, u16* dst) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = threadIdx.x + 128 * h;
+      const int row = c >> 2, kc = (c & 3) << 3;
+      const int gr = r0 + row, k = kt * TK + kc;
+      if (vec) {
+        const bool ok = gr < rows && k < len;
+        cp_async16(dst + row * LDT + kc, ok ? (const void*)(src + (size_t)gr * len + k) : src,
+                   ok ? 16u : 0u);
+      } else {
+        reg[h] = gr < rows ? load_chunk<T>(src + (size_t)gr * len, k, len, false, stream)
+                           : zero4();
+      }
+    }
+  }
+  __device__ void commit(u16* dst) {
+    if (vec) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = threadIdx.x + 128 * h;
+      *reinterpret_cast<uint4*>(dst + (c >> 2) * LDT + ((c & 3) << 3)) = reg[h];
+    }
+  }
+};
+
+template <typename T>
+struct DenseNKTile {  // W [N, K] -> smem [n][k]
+  static constexpr bool kKN = false;
+  RowTile<T> tile;
+  __device__ DenseNKTile(const T* w, int N, int K, int n0, bool vec)
+      : tile{w, N, K, n0, vec, true, {}} {}
+  __device__ void fetch(int kt, u16* dst) { tile.fetch(kt, dst); }
+  __device__ void commit(u16* dst) { tile.commit(dst); }
+};
+
+template <typename T>
+struct DenseKNTile {  // W [K, N] -> smem [k][n]
+  static constexpr bool kKN = true;
+  const T* w;
+  int N, K, n0;
+  bool vec;
+  uint4 reg[2];
+  __device__ DenseKNTile(const T* w_, int N_, int K_, int n0_, bool vec_)
+      : w(w_), N(N_), K(K_), n0(n0_), vec(vec_) {}
+  __device__ void fetch(int kt, u16* dst) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = threadIdx.x + 128 * h;
+      const int kr = c >> 3, nc = (c & 7) << 3;
+      const int k = kt * TK + kr, n = n0 + nc;
+      if (vec) {
+        const bool ok = k < K && n < N;
+        cp_async16(dst + kr * LDKN + nc, ok ? (const void*)(w + (size_t)k * N + n) : w,
+                   ok ? 16u : 0u);
+      } else {
+        reg[h] = k < K ? load_chunk<T>(w + (size_t)k * N, n, N, false, true) : zero4();
+      }
+    }
+  }
+  __device__ void commit(u16* dst) {
+    if (vec) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int c = threadIdx.x + 128 * h;
+      *reinterpret_cast<uint4*>(dst + (c >> 3) * LDKN + ((c & 7) << 3)) = reg[h];
+    }
+  }
+};
+
+// 4-bit tiles: thread = (row = tid / 2, half = tid % 2): 8 bytes = 16 weights, one block (every
+// block size is >= 16), dequantized to T pairs in registers and stored after the MMAs.
+template <typename T>
+struct Q4Tile {
+  static constexpr bool kKN = false;
+  const u8* b;
+  const T* scales;
+  const u8* zp;
+  int N, kb, row_bytes, zp_row, bs_shift, n0;
+  bool w8, has_zp;
+  u32 p[8];
+  __device__ void fetch(int kt, u16*) {
+    const int row = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int n = n0 + row;
+    const int off = kt * (TK / 2) + half * 8;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = 0u;
+    if (n >= N || off >= row_bytes) return;
+    const u8* r = b + (size_t)n * (size_t)row_bytes;
+    uint2 q;
+    if (w8) {
+      q = ld_stream8(r + off);
+    } else {
+      const uint4 v = load_bytes(r, off, off + 8);
+      q = make_uint2(v.x, v.y);
+    }
+    const int blk = (off << 1) >> bs_shift;
+    const u32 s = scale_bits<T>(scales, (size_t)n * kb + blk) * 0x10001u;
+    u32 z = 8u;
+    if (has_zp) {
+      const u32 byte = zp[(size_t)n * zp_row + (blk >> 1)];
+      z = (blk & 1) ? (byte >> 4) : (byte & 15u);
+    }
+    const u32 z2 = (Elem<T>::kMagic | z) * 0x10001u;
+    u32 a[4], c[4];
+    q4_pairs<T>(q.x, s, z2, a);
+    q4_pairs<T>(q.y, s, z2, c);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      p[j] = a[j];
+      p[4 + j] = c[j];
+    }
+  }
+  __device__ void commit(u16* dst) {
+    const int row = threadIdx.x >> 1, half = threadIdx.x & 1;
+    uint4* d = reinterpret_cast<uint4*>(dst + row * LDT + half * 16);
+    d[0] = make_uint4(p[0], p[1], p[2], p[3]);
+    d[1] = make_uint4(p[4], p[5], p[6], p[7]);
+  }
+};
+
+template <typename T>
+struct Mx4Tile {  // a 32-k tile of a row is exactly one MX block
+  static constexpr bool kKN = false;
+  const u8* b;
+  const u8* scales;
+  int N, kb, row_bytes, n0;
+  bool w8;
+  u32 p[8];
+  __device__ void fetch(int kt, u16*) {
+    const int row = threadIdx.x >> 1, half = threadIdx.x & 1;
+    const int n = n0 + row;
+    const int off = kt * (TK / 2) + half * 8;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) p[j] = 0u;
+    if (n >= N || off >= row_bytes) return;
+    const u8* r = b + (size_t)n * (size_t)row_bytes;
+    uint2 q;
+    if (w8) {
+      q = ld_stream8(r + off);
+    } else {
+      const uint4 v = load_bytes(r, off, off + 8);
+      q = make_uint2(v.x, v.y);
+    }
+    const u32 s = e8m0_bits<T>(scales[(size_t)n * kb + kt]) * 0x10001u;
+    u32 a[4], c[4];
+    e2m1_pairs<T>(q.x, a);
+    e2m1_pairs<T>(q.y, c);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      p[j] = pk_mul<T>(a[j], s);
+      p[4 + j] = pk_mul<T>(c[j], s);
+    }
+  }
+  __device__ void commit(u16* dst) {
+    const int row = threadIdx.x >> 1, half = threadIdx.x & 1;
+    uint4* d = reinterpret_cast<uint4*>(dst + row * LDT + half * 16);
+    d[0] = make_uint4(p[0], p[1], p[2], p[3]);
+    d[1] = make_uint4(p[4], p[5], p[6], p[7]);
+  }
+};
+
+template <typename T, class BT>
+__device__ __forceinline__ void gemm_tc(T* __restrict__ y, const T* __restrict__ x, BT& bt, int M,
+                                        int N, int K, u32 flags) {
+  constexpr int kBElems = BT::kKN ? TK * LDKN : TN * LDT;
+  __shared__ __align__(16) u16 As[2][TM * LDT];
+  __shared__ __align__(16) u16 Bs[2][kBElems];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp >> 1, wn = warp & 1;
+  const int g = lane >> 2, t = lane & 3;
+  const int m0 = blockIdx.y * TM, n0 = blockIdx.x * TN;
+  const int KT = (K + TK - 1) / TK;
+  RowTile<T> at{x, M, K, m0, (flags & EPK_X16) != 0, false, {}};
+  float c[2][4][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[i][j][0] = c[i][j][1] = c[i][j][2] = c[i][j][3] = 0.0f;
+
+  at.fetch(0, As[0]);
+  bt.fetch(0, Bs[0]);
+  cp_commit();
+  at.commit(As[0]);
+  bt.commit(Bs[0]);
+  for (int kt = 0; kt < KT; ++kt) {
+    const int s = kt & 1;
+    if (kt + 1 < KT) {
+      at.fetch(kt + 1, As[s ^ 1]);
+      bt.fetch(kt + 1, Bs[s ^ 1]);
+    }
+    cp_commit();
+    cp_wait1();  // every group but the one just issued is complete: stage s has landed
+    __syncthreads();
+    const u16* as = As[s];
+    const u16* bs = Bs[s];
+#pragma unroll
+    for (int ks = 0; ks < TK / 16; ++ks) {
+      u32 a[2][4], b[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+        ldsm_x4(a[mi], as + (wm * 32 + mi * 16 + (lane & 15)) * LDT + ks * 16 + (lane >> 4) * 8);
+      }
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {
+        u32 r[4];
+        if constexpr (BT::kKN) {
+          ldsm_x4_t(r, bs + (ks * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDKN + wn * 32 +
+                           nj * 16 + (lane >> 4) * 8);
+        } else {
+          ldsm_x4(r, bs + (wn * 32 + nj * 16 + (lane & 7) + (lane >> 4) * 8) * LDT + ks * 16 +
+                         ((lane >> 3) & 1) * 8);
+        }
+        b[2 * nj][0] = r[0];
+        b[2 * nj][1] = r[1];
+        b[2 * nj + 1][0] = r[2];
+        b[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int nj = 0; nj < 4; ++nj)
+          mma16816<T>(c[mi][nj], a[mi][0], a[mi][1], a[mi][2], a[mi][3], b[nj][0], b[nj][1]);
+    }
+    __syncthreads();  // stage s is free again
+    if (kt + 1 < KT) {
+      at.commit(As[s ^ 1]);
+      bt.commit(Bs[s ^ 1]);
+    }
+  }
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int nj = 0; nj < 4; ++nj) {
+      const int row = m0 + wm * 32 + mi * 16 + g;
+      const int col = n0 + wn * 32 + nj * 8 + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 4; ++h) {
+        const int r = row + 8 * (h >> 1), cc = col + (h & 1);
+        if (r < M && cc < N) y[(size_t)r * N + cc] = Elem<T>::from_f(c[mi][nj][h]);
+      }
+    }
+  }
+}
+
+// --- SIMT GEMM (fp32) --------------------------------------------------------------------------
+//
+// Block = 256 threads, tile 64 x 64 x 16, each thread a 4 x 4 block of outputs. Both tiles are
+// stored k-major in shared memory ([k][m] and [k][n]) so a thread reads 4 + 4 consecutive floats
+// per k.
+
+constexpr int SM_ = 64, SN = 64, SK = 16, LDS = 68;
+
+struct F32NKTile {
+  const float* w;
+  int N, K, n0;
+  bool vec;
+  uint4 v;
+  __device__ void fetch(int kt) {
+    const int nr = threadIdx.x >> 2, kq = (threadIdx.x & 3) << 2;
+    const int n = n0 + nr;
+    v = n < N ? load_chunk<float>(w + (size_t)n * K, kt * SK + kq, K, vec, true) : zero4();
+  }
+  __device__ void commit(float (*bs)[LDS]) {
+    const int nr = threadIdx.x >> 2, kq = (threadIdx.x & 3) << 2;
+    bs[kq][nr] = __uint_as_float(v.x);
+    bs[kq + 1][nr] = __uint_as_float(v.y);
+    bs[kq + 2][nr] = __uint_as_float(v.z);
+    bs[kq + 3][nr] = __uint_as_float(v.w);
+  }
+};
+
+struct F32KNTile {
+  const float* w;
+  int N, K, n0;
+  bool vec;
+  uint4 v;
+  __device__ void fetch(int kt) {
+    const int kr = threadIdx.x >> 4, nq = (threadIdx.x & 15) << 2;
+    const int k = kt * SK + kr;
+    v = k < K ? load_chunk<float>(w + (size_t)k * N, n0 + nq, N, vec, true) : zero4();
+  }
+  __device__ void commit(float (*bs)[LDS]) {
+    const int kr = threadIdx.x >> 4, nq = (threadIdx.x & 15) << 2;
+    *reinterpret_cast<uint4*>(&bs[kr][nq]) = v;
+  }
+};
+
+// 4-bit and MXFP4 fp32 tiles: thread = (row = tid / 4, 4 consecutive k = 2 bytes).
+struct F32Q4Tile {
+  const u8* b;
+  const float* scales;
+  const u8* zp;
+  int N, kb, row_bytes, zp_row, bs_shift, n0;
+  bool has_zp;
+  float v[4];
+  __device__ void fetch(int kt) {
+    const int nr = threadIdx.x >> 2, kq = (threadIdx.x & 3) << 2;
+    const int n = n0 + nr, k = kt * SK + kq, off = k >> 1;
+    v[0] = v[1] = v[2] = v[3] = 0.0f;
+    if (n >= N || off >= row_bytes) return;
+    const u8* r = b + (size_t)n * (size_t)row_bytes;
+    const u32 q = (u32)r[off] | ((u32)r[off + 1] << 8);  // row_bytes is even
+    const int blk = k >> bs_shift;
+    const float s = scales[(size_t)n * kb + blk];
+    u32 z = 8u;
+    if (has_zp) {
+      const u32 byte = zp[(size_t)n * zp_row + (blk >> 1)];
+      z = (blk & 1) ? (byte >> 4) : (byte & 15u);
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = ((float)((q >> (4 * j)) & 15u) - (float)z) * s;
+  }
+  __device__ void commit(float (*bs)[LDS]) {
+    const int nr = threadIdx.x >> 2, kq = (threadIdx.x & 3) << 2;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bs[kq + j][nr] = v[j];
+  }
+};
+
+struct F32Mx4Tile {
+  const u8* b;
+  const u8* scales;
+  int N, kb, row_bytes, n0;
+  float v[4];
+  __device__ void fetch(int kt) {
+    const int nr = threadIdx.x >> 2, kq = (threadIdx.x & 3) << 2;
+    const int n = n0 + nr, k = kt * SK + kq, off = k >> 1;
+    v[0] = v[1] = v[2] = v[3] = 0.0f;
+    if (n >= N || off >= row_bytes) return;
+    const u8* r = b + (size_t)n * (size_t)row_bytes;
+    const u32 q = (u32)r[off] | ((u32)r[off + 1] << 8);
+    const float s = e8m0_f32(scales[(size_t)n * kb + (k >> 5)]);
+    u32 p[4];
+    e2m1_pairs_bf16(q, p);
+    v[0] = __uint_as_float(p[0] << 16) * s;
+    v[1] = __uint_as_float(p[0] & 0xFFFF0000u) * s;
+    v[2] = __uint_as_float(p[1] << 16) * s;
+    v[3] = __uint_as_float(p[1] & 0xFFFF0000u) * s;
+  }
+  __device__ void commit(float (*bs)[LDS]) {
+    const int nr = threadIdx.x >> 2, kq = (threadIdx.x & 3) << 2;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) bs[kq + j][nr] = v[j];
+  }
+};
+
+template <class BT>
+__device__ __forceinline__ void gemm_simt(float* __restrict__ y, const float* __restrict__ x,
+                                          BT& bt, int M, int N, int K, u32 flags) {
+  __shared__ __align__(16) float As[SK][LDS];
+  __shared__ __align__(16) float Bs[SK][LDS];
+  const int tid = threadIdx.x, tx = tid & 15, ty = tid >> 4;
+  const int m0 = blockIdx.y * SM_, n0 = blockIdx.x * SN;
+  const bool xv = (flags & EPK_X16) != 0;
+  const int KT = (K + SK - 1) / SK;
+  float acc[4][4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+  for (int kt = 0; kt < KT; ++kt) {
+    const int mr = tid >> 2, kq = (tid & 3) << 2;
+    const uint4 a = m0 + mr < M
+                        ? load_chunk<float>(x + (size_t)(m0 + mr) * K, kt * SK + kq, K, xv, false)
+                        : zero4();
+    bt.fetch(kt);
+    __syncthreads();  // the previous tile has been used
+    As[kq][mr] = __uint_as_float(a.x);
+    As[kq + 1][mr] = __uint_as_float(a.y);
+    As[kq + 2][mr] = __uint_as_float(a.z);
+    As[kq + 3][mr] = __uint_as_float(a.w);
+    bt.commit(Bs);
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < SK; ++k) {
+      const float4 av = *reinterpret_cast<const float4*>(&As[k][ty * 4]);
+      const float4 bv = *reinterpret_cast<const float4*>(&Bs[k][tx * 4]);
+      const float ar[4] = {av.x, av.y, av.z, av.w};
+      const float br[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(ar[i], br[j], acc[i][j]);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = m0 + ty * 4 + i;
+    if (r >= M) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int cc = n0 + tx * 4 + j;
+      if (cc < N) y[(size_t)r * N + cc] = acc[i][j];
+    }
+  }
+}
+
+}  // namespace epk

@@ -1,0 +1,1082 @@
+"""KVCommit and KVAttention on the device, addressed through the layout's stride descriptor.
+
+Every KV kernel takes the layout's `KVStrides` (batch, token, head, dim, page, page_size) and the
+capacity as scalar arguments, so ONE compiled kernel serves head-major [B, Hkv, C, D], seq-major
+[B, C, Hkv, D] and paged layouts: token t of row b, head h, feature d is at
+``b*batch + t*token + h*head + d*dim``, or, paged, at ``table[b, t // page_size]*page +
+(t % page_size)*token + h*head + d*dim``. Semantics are `ep.ops.kv`'s: ``positions[b, s]`` is the
+cache slot of new token s of row b, negative = padding (not written; its query row outputs
+zeros); a query at position p attends to slots 0..p of its row (left-padded batches need no other
+mask, since padding is never written).
+
+Kernels
+-------
+``kv_commit`` (dtype-agnostic, copies bytes): one block per new token (grid = batch*seq), 256
+threads copying kv_heads*head_dim elements of K and of V, in 16-byte vectors when strides and
+addresses allow. The blocks of token 0 also write ``lengths[b] = 1 + max position`` of the row.
+
+``kv_attention_<dt>``: causal GQA attention, float32 online softmax. Grid (batch * query tiles,
+kv_heads, splits), 256 threads. A block takes ``q_tile`` consecutive query tokens of one row and
+all ``G = heads/kv_heads`` query heads that share one KV head (R = q_tile*G query rows, so a K/V
+tile read from memory serves all of them), and walks its slice of the context in tiles of
+``kv_tile`` tokens: K and V tiles go to shared memory (converted to float32; 16-byte loads when
+the layout allows), scores for R × kv_tile pairs (``lanes`` threads per dot product when there
+are few pairs), one warp per query row updates the running max and sum, and each thread
+accumulates its (row, feature) outputs in registers. Decode is q_tile = 1; prefill uses
+q_tile > 1 (the flash-attention pattern on CUDA cores: correctness first).
+
+Split-K ("flash-decoding"): the context [0, max_context) is cut into ``splits`` chunks along the
+grid's z axis, so a batch-1 decode at 32k context runs hundreds of blocks instead of kv_heads. Each
+block writes its unnormalised output, running max and sum (float32) to a workspace, and
+``kv_attention_reduce_<dt>`` (one block of 256 threads per output row) merges the splits:
+``out = Σ exp(m_i - M) o_i / Σ exp(m_i - M) l_i``. A block whose chunk starts past its queries'
+positions writes an empty partial (max -inf, sum 0). With one split the attention kernel writes
+the output itself. The split count depends only on host-known sizes (batch, seq, capacity or a
+``max_context`` bound), so a captured graph stays valid while positions change.
+
+Device data never causes an out-of-bounds access: a query position >= capacity or >= its row's
+committed length outputs zeros and sets `KernelFault.KV_POSITION`; a token whose block-table
+column or page is out of range (or whose address falls outside the cache) is skipped (masked)
+and sets `KernelFault.KV_PAGE`. What a faulted query outputs is unspecified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ep.device import Buffer, Device, Stream
+from ep.errors import OpError
+from ep.kernels._common import (
+    FLOAT_DTYPES,
+    KernelFault,
+    aligned,
+    check_buffer,
+    check_index_buffer,
+    check_status,
+    dtype_suffix,
+    need,
+    positive,
+    register_one,
+    register_per_dtype,
+    round_up,
+    set_fault,
+)
+from ep.ops import kv as ref
+from ep.seams import KVStrides
+
+__all__ = [
+    "AttentionPlan",
+    "attention_plan",
+    "kv_attention",
+    "kv_commit",
+]
+
+_THREADS = 256
+_MAX_ACC = 16  # output rows per thread: R <= 16 * (256 // round_up(head_dim, 4))
+_MAX_ROWS = 64  # query rows (q_tile * G) per block
+_MAX_SPLITS = 1024
+_TARGET_BLOCKS = 264  # two resident blocks per SM on an H200 (132 SMs)
+_SHARED_BUDGET = 96 * 1024
+_MAX_HEAD_DIM = 256
+
+# --- shared device code ------------------------------------------------------------------------
+
+_ADDRESSING = r"""
+#define NEG_INF (__int_as_float(0xff800000u))
+
+// Element offset of (row b, token t, head 0, feature 0), or -1 when the token cannot be addressed
+// (a fault is set when ``report``). ``span`` = elements one token covers over all heads.
+static __device__ __forceinline__ i64 kv_token_base(
+    i64 b, i64 t, const int* table, i64 table_cols, i64 s_batch, i64 s_token, i64 s_page,
+    i64 page_size, i64 span, i64 cache_elems, u32* status, bool report) {
+    i64 base;
+    if (page_size > 0) {
+        const i64 col = t / page_size;
+        if (col >= table_cols) {
+            if (report) set_fault(status, 8u);  // KernelFault.KV_PAGE
+            return -1;
+        }
+        const i64 page = (i64)table[b * table_cols + col];
+        if (page < 0) {
+            if (report) set_fault(status, 8u);
+            return -1;
+        }
+        base = page * s_page + (t - col * page_size) * s_token;
+    } else {
+        base = b * s_batch + t * s_token;
+    }
+    if (base < 0 || base + span > cache_elems) {
+        if (report) set_fault(status, page_size > 0 ? 8u : 4u);  // KV_PAGE / KV_POSITION
+        return -1;
+    }
+    return base;
+}
+"""
+
+# --- KVCommit ----------------------------------------------------------------------------------
+
+_COMMIT_BODY = (
+    _ADDRESSING
+    + r"""
+extern "C" __global__ void __launch_bounds__(256) kv_commit(
+    unsigned char* kcache, unsigned char* vcache, i64* lengths,
+    const unsigned char* new_k, const unsigned char* new_v,
+    const void* __restrict__ positions, int pos_i64, const void* __restrict__ block_table,
+    i64 table_cols, i64 batch, i64 seq, int kv_heads, int dim, i64 src_tok,
+    i64 s_batch, i64 s_token, i64 s_head, i64 s_dim, i64 s_page, i64 page_size,
+    i64 capacity, i64 cache_elems, int itemsize, int vec, u32* status) {
+    __shared__ i64 row_max[32];
+    const i64 tok = blockIdx.x;
+    if (tok >= batch * seq) return;
+    const i64 b = tok / seq;
+    const i64 s = tok - b * seq;
+    if (s == 0) {  // lengths[b] = 1 + the row's highest position (0 for padding only)
+        i64 best = -1;
+        for (i64 j = threadIdx.x; j < seq; j += blockDim.x) {
+            const i64 p = load_index(positions, b * seq + j, pos_i64);
+            best = p > best ? p : best;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const i64 other = __shfl_xor_sync(0xffffffffu, best, o);
+            best = other > best ? other : best;
+        }
+        if ((threadIdx.x & 31) == 0) row_max[threadIdx.x >> 5] = best;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
+                best = row_max[w] > best ? row_max[w] : best;
+            }
+            lengths[b] = best + 1;
+        }
+    }
+    const i64 pos = load_index(positions, tok, pos_i64);
+    if (pos < 0) return;
+    if (threadIdx.x == 0 && s > 0) {
+        const i64 prev = load_index(positions, tok - 1, pos_i64);
+        if (prev >= 0 && pos <= prev) set_fault(status, 16u);  // KernelFault.KV_ORDER
+    }
+    if (pos >= capacity) {
+        if (threadIdx.x == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
+        return;
+    }
+    const i64 span = (i64)(kv_heads - 1) * s_head + (i64)(dim - 1) * s_dim + 1;
+    const i64 base = kv_token_base(b, pos, reinterpret_cast<const int*>(block_table), table_cols,
+                                   s_batch, s_token, s_page, page_size, span, cache_elems,
+                                   status, threadIdx.x == 0);
+    if (base < 0) return;
+    const unsigned char* sk = new_k + tok * src_tok * itemsize;
+    const unsigned char* sv = new_v + tok * src_tok * itemsize;
+    if (vec) {  // 16-byte chunks: s_dim == 1 and every stride a multiple of 16 bytes
+        const int chunks = dim * itemsize / 16;
+        for (int i = threadIdx.x; i < kv_heads * chunks; i += blockDim.x) {
+            const int h = i / chunks, c = i - h * chunks;
+            const i64 dst = (base + h * s_head) * itemsize + (i64)c * 16;
+            const i64 src = (i64)h * dim * itemsize + (i64)c * 16;
+            *reinterpret_cast<uint4*>(kcache + dst) = *reinterpret_cast<const uint4*>(sk + src);
+            *reinterpret_cast<uint4*>(vcache + dst) = *reinterpret_cast<const uint4*>(sv + src);
+        }
+    } else {
+        for (int i = threadIdx.x; i < kv_heads * dim; i += blockDim.x) {
+            const int h = i / dim, d = i - h * dim;
+            const i64 dst = (base + h * s_head + d * s_dim) * itemsize;
+            const i64 src = (i64)i * itemsize;
+            if (itemsize == 4) {
+                *reinterpret_cast<u32*>(kcache + dst) = *reinterpret_cast<const u32*>(sk + src);
+                *reinterpret_cast<u32*>(vcache + dst) = *reinterpret_cast<const u32*>(sv + src);
+            } else {
+                *reinterpret_cast<unsigned short*>(kcache + dst) =
+                    *reinterpret_cast<const unsigned short*>(sk + src);
+                *reinterpret_cast<unsigned short*>(vcache + dst) =
+                    *reinterpret_cast<const unsigned short*>(sv + src);
+            }
+        }
+    }
+}
+"""
+)
+
+
+def _geometry(strides: tuple[int, ...], capacity: int) -> np.ndarray:
+    return np.array([*strides, capacity], dtype=np.int64)
+
+
+def _token_bases(
+    rows: np.ndarray,
+    tokens: np.ndarray,
+    table: np.ndarray | None,
+    strides: KVStrides,
+    span: int,
+    cache_elems: int,
+) -> tuple[np.ndarray, int]:
+    """The kernels' addressing on the host: base offsets (-1 where unaddressable) and faults."""
+    faults = 0
+    if strides.page_size > 0:
+        assert table is not None
+        cols = tokens // strides.page_size
+        ok = cols < table.shape[1]
+        pages = np.where(ok, table[rows, np.minimum(cols, table.shape[1] - 1)], -1).astype(np.int64)
+        ok &= pages >= 0
+        base = pages * strides.page + (tokens - cols * strides.page_size) * strides.token
+        bad_bit = KernelFault.KV_PAGE
+    else:
+        ok = np.ones(tokens.shape, dtype=bool)
+        base = rows.astype(np.int64) * strides.batch + tokens.astype(np.int64) * strides.token
+        bad_bit = KernelFault.KV_POSITION
+    inside = (base >= 0) & (base + span <= cache_elems)
+    if (ok & ~inside).any():
+        faults |= bad_bit
+    if (~ok).any():
+        faults |= KernelFault.KV_PAGE
+    return np.where(ok & inside, base, -1), faults
+
+
+def _strides_of(
+    s_batch: np.int64,
+    s_token: np.int64,
+    s_head: np.int64,
+    s_dim: np.int64,
+    s_page: np.int64,
+    page_size: np.int64,
+) -> KVStrides:
+    return KVStrides(
+        int(s_batch), int(s_token), int(s_head), int(s_dim), int(s_page), int(page_size)
+    )
+
+
+def _commit_cpu(
+    kcache: np.ndarray,
+    vcache: np.ndarray,
+    lengths: np.ndarray,
+    new_k: np.ndarray,
+    new_v: np.ndarray,
+    positions: np.ndarray,
+    pos_i64: np.int32,
+    block_table: np.ndarray,
+    table_cols: np.int64,
+    batch: np.int64,
+    seq: np.int64,
+    kv_heads: np.int32,
+    dim: np.int32,
+    src_tok: np.int64,
+    s_batch: np.int64,
+    s_token: np.int64,
+    s_head: np.int64,
+    s_dim: np.int64,
+    s_page: np.int64,
+    page_size: np.int64,
+    capacity: np.int64,
+    cache_elems: np.int64,
+    itemsize: np.int32,
+    vec: np.int32,
+    status: np.ndarray,
+) -> None:
+    nb, ns, heads, d = int(batch), int(seq), int(kv_heads), int(dim)
+    word = np.uint32 if int(itemsize) == 4 else np.uint16
+    strides = _strides_of(s_batch, s_token, s_head, s_dim, s_page, page_size)
+    kc, vc = kcache.view(word), vcache.view(word)
+    pos = positions.view(np.int64 if pos_i64 else np.int32)[: nb * ns].astype(np.int64)
+    pos = pos.reshape(nb, ns)
+    lengths[:nb] = np.where(pos >= 0, pos, -1).max(axis=1, initial=-1) + 1
+    table = None
+    if strides.page_size > 0:
+        table = block_table.view(np.int32)[: nb * int(table_cols)].reshape(nb, int(table_cols))
+    index = np.arange(nb * ns)[:, None] * int(src_tok) + np.arange(heads * d)[None, :]
+    keys = new_k.view(word)[index].reshape(nb, ns, heads, d)
+    values = new_v.view(word)[index].reshape(nb, ns, heads, d)
+    order = np.where(pos >= 0, pos, -1)
+    faults = 0
+    if ns > 1 and np.any((np.diff(order, axis=1) <= 0) & (pos[:, 1:] >= 0)):
+        faults |= KernelFault.KV_ORDER
+    clean = pos.copy()
+    too_far = clean >= int(capacity)
+    if too_far.any():
+        faults |= KernelFault.KV_POSITION
+        clean[too_far] = -1
+    rows, cols = np.nonzero(clean >= 0)
+    span = (heads - 1) * strides.head + (d - 1) * strides.dim + 1
+    base, bad = _token_bases(rows, clean[rows, cols], table, strides, span, int(cache_elems))
+    faults |= bad
+    clean[rows[base < 0], cols[base < 0]] = -1
+    if faults:
+        set_fault(status, KernelFault(faults))
+    geometry = _geometry(
+        tuple(int(v) for v in (s_batch, s_token, s_head, s_dim, s_page, page_size)), int(capacity)
+    )
+    if faults & KernelFault.KV_ORDER:
+        # The reference refuses unordered positions; write token by token, in order, as the GPU
+        # writes every valid token (which copy of a repeated slot wins is unspecified there).
+        for r, c in zip(*np.nonzero(clean >= 0), strict=True):
+            one = np.full((nb, 1), -1, dtype=np.int64)
+            one[r, 0] = clean[r, c]
+            ref.kv_commit_into(
+                kc, vc, keys[:, c : c + 1], values[:, c : c + 1], one, geometry, table
+            )
+        return
+    ref.kv_commit_into(kc, vc, keys, values, clean, geometry, table)
+
+
+KV_COMMIT_KERNEL = register_one(
+    "kv_commit",
+    _COMMIT_BODY,
+    (
+        "u8* u8* i64* u8* u8* void* i32 void* i64 i64 i64 i32 i32 i64 "
+        "i64 i64 i64 i64 i64 i64 i64 i64 i32 i32 u32*"
+    ),
+    _commit_cpu,
+)
+
+# --- KVAttention -------------------------------------------------------------------------------
+
+_ATTENTION_BODY = (
+    _ADDRESSING
+    + r"""
+#define MAX_ACC 16
+
+// acc[j] += Σ_t p[row j][t] * v[t][own_d] for RPT rows (a compile-time count: no predicates).
+template <int RPT>
+static __device__ __forceinline__ void pv_rows(float* acc, const float* pcol, int row_step,
+                                               const float* v_s, int D4, int own_d, int TT) {
+    for (int t = 0; t < TT; ++t) {
+        const float v = v_s[t * D4 + own_d];
+#pragma unroll
+        for (int j = 0; j < RPT; ++j) acc[j] += pcol[j * row_step + t] * v;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) KERNEL(
+    T* out, float* ws, const T* query, const void* __restrict__ positions, int pos_i64,
+    const i64* __restrict__ lengths, const T* kcache, const T* vcache,
+    const void* __restrict__ block_table, i64 table_cols, i64 batch, i64 seq, int heads,
+    int kv_heads, int dim, i64 q_tok, i64 s_batch, i64 s_token, i64 s_head, i64 s_dim,
+    i64 s_page, i64 page_size, i64 capacity, i64 cache_elems, float scale, int q_tile,
+    int kv_tile, int lanes, int splits, i64 chunk, int vec, u32* status) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const int G = heads / kv_heads;
+    const int R = q_tile * G;
+    const int D4 = (dim + 3) & ~3;
+    const int KS = D4 + 4;  // padded K rows: float4 reads of consecutive rows hit distinct banks
+    const int TT = kv_tile;
+    // Output ownership: thread tid owns feature own_d = tid % D4 of rows g0, g0 + dgroups, ...
+    // (head_dim <= 256 and 256 threads, so dgroups >= 1); a V value read once serves all its
+    // rows. Each thread walks rpt rows (a power of two), so p/m/l/alpha hold RP = rpt * dgroups
+    // rows, those past R unused.
+    const int dgroups = (int)blockDim.x / D4;
+    const int own_d = threadIdx.x % D4;
+    const int g0 = threadIdx.x / D4;
+    int rpt = 1;
+    while (rpt * dgroups < R) rpt <<= 1;
+    const int RP = rpt * dgroups;
+    const int nrows = g0 < dgroups && g0 < R ? (R - g0 + dgroups - 1) / dgroups : 0;
+    i64* tok_base = reinterpret_cast<i64*>(smem);
+    i64* qpos = tok_base + TT;
+    float* q_s = reinterpret_cast<float*>(tok_base + ((TT + q_tile + 1) & ~1));
+    float* k_s = q_s + R * D4;
+    float* v_s = k_s + TT * KS;
+    float* p_s = v_s + TT * D4;
+    float* m_s = p_s + RP * TT;
+    float* l_s = m_s + RP;
+    float* a_s = l_s + RP;
+
+    const i64 n_qtiles = (seq + q_tile - 1) / q_tile;
+    const i64 b = blockIdx.x / n_qtiles;
+    const i64 s0 = ((i64)blockIdx.x - b * n_qtiles) * q_tile;
+    const int kvh = blockIdx.y;
+    const int split = blockIdx.z;
+    const int tid = threadIdx.x;
+    const int* table = reinterpret_cast<const int*>(block_table);
+    const i64 span = (i64)(kv_heads - 1) * s_head + (i64)(dim - 1) * s_dim + 1;
+    const i64 head_off = (i64)kvh * s_head;
+
+    // 1. The query tile: positions (-1 when padding or faulted) and queries pre-scaled. The
+    // queries are loaded into registers beside the positions (not after), then masked.
+    float qv[MAX_ACC];  // R * D4 <= MAX_ACC * blockDim.x
+#pragma unroll
+    for (int i = 0; i < MAX_ACC; ++i) {
+        const int idx = tid + i * (int)blockDim.x;
+        qv[i] = 0.0f;
+        if (idx < R * D4) {
+            const int r = idx / D4, d = idx - r * D4;
+            const int qi = r / G, g = r - qi * G;
+            if (d < dim && s0 + qi < seq) {
+                const i64 row = b * seq + s0 + qi;
+                qv[i] = to_f32(query[row * q_tok + (i64)(kvh * G + g) * dim + d]);
+            }
+        }
+    }
+    if (tid < q_tile) {
+        const i64 s = s0 + tid;
+        i64 p = -1;
+        if (s < seq) {
+            const i64 committed = lengths[b];  // loaded beside the position, not after it
+            p = load_index(positions, b * seq + s, pos_i64);
+            if (p >= 0 && (p >= capacity || p >= committed)) {
+                if (kvh == 0 && split == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
+                p = -1;
+            }
+        }
+        qpos[tid] = p < 0 ? -1 : p;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < MAX_ACC; ++i) {
+        const int idx = tid + i * (int)blockDim.x;
+        if (idx < R * D4) q_s[idx] = qpos[idx / D4 / G] >= 0 ? qv[i] * scale : 0.0f;
+    }
+    for (int r = tid; r < R; r += blockDim.x) {
+        m_s[r] = NEG_INF;
+        l_s[r] = 0.0f;
+    }
+    i64 last = -1;
+    for (int qi = 0; qi < q_tile; ++qi) last = qpos[qi] > last ? qpos[qi] : last;
+    const i64 begin = (i64)split * chunk;
+    const i64 end = (begin + chunk) < (last + 1) ? (begin + chunk) : (last + 1);
+
+    float acc[MAX_ACC];
+#pragma unroll
+    for (int j = 0; j < MAX_ACC; ++j) acc[j] = 0.0f;
+    constexpr int N = Pack<T>::N;
+    const int groups = blockDim.x / lanes;
+    const int lane_in = tid & (lanes - 1);
+    const int pairs = R * TT;
+    const int rounds = (pairs + groups - 1) / groups;
+    const int C4 = D4 / 4;
+    const int warp = tid >> 5, lane = tid & 31, nwarps = blockDim.x >> 5;
+    __syncthreads();
+
+    for (i64 t0 = begin; t0 < end; t0 += TT) {
+        // 2. Where each token of the tile lives (-1: past the end, or unaddressable).
+        if (tid < TT) {
+            const i64 t = t0 + tid;
+            tok_base[tid] = t < end ? kv_token_base(b, t, table, table_cols, s_batch, s_token,
+                                                    s_page, page_size, span, cache_elems, status,
+                                                    kvh == 0)
+                                    : -1;
+        }
+        __syncthreads();
+        // 3. K and V tiles to shared memory, as float32.
+        if (vec) {  // dim % N == 0 (so D4 == dim), s_dim == 1, 16-byte aligned rows
+            const int cpr = dim / N;
+            for (int i = tid; i < TT * cpr; i += blockDim.x) {
+                const int t = i / cpr, c = i - t * cpr;
+                const i64 base = tok_base[t];
+                float kv[N], vv[N];
+                if (base >= 0) {
+                    load16(kcache + base + head_off + (i64)c * N, kv);
+                    load16(vcache + base + head_off + (i64)c * N, vv);
+                } else {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) kv[k] = vv[k] = 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < N; ++k) {
+                    k_s[t * KS + c * N + k] = kv[k];
+                    v_s[t * D4 + c * N + k] = vv[k];
+                }
+            }
+        } else {
+            for (int i = tid; i < TT * D4; i += blockDim.x) {
+                const int t = i / D4, d = i - t * D4;
+                const i64 base = tok_base[t];
+                float kx = 0.0f, vx = 0.0f;
+                if (base >= 0 && d < dim) {
+                    const i64 e = base + head_off + (i64)d * s_dim;
+                    kx = to_f32(kcache[e]);
+                    vx = to_f32(vcache[e]);
+                }
+                k_s[t * KS + d] = kx;
+                v_s[t * D4 + d] = vx;
+            }
+        }
+        __syncthreads();
+        // 4. Scores, masked: causal (token <= the query's position) and unaddressable tokens.
+        for (int round = 0; round < rounds; ++round) {
+            const int w = round * groups + tid / lanes;
+            float part = 0.0f;
+            int r = 0, t = 0;
+            if (w < pairs) {
+                r = w / TT;
+                t = w - r * TT;
+                const float4* q4 = reinterpret_cast<const float4*>(q_s + r * D4);
+                const float4* k4 = reinterpret_cast<const float4*>(k_s + t * KS);
+                for (int c = lane_in; c < C4; c += lanes) {
+                    const float4 x = q4[c], y = k4[c];
+                    part += x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+                }
+            }
+            for (int o = lanes >> 1; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            if (w < pairs && lane_in == 0) {
+                const bool live = tok_base[t] >= 0 && t0 + t <= qpos[r / G];
+                p_s[r * TT + t] = live ? part : NEG_INF;
+            }
+        }
+        __syncthreads();
+        // 5. Online softmax: one warp per query row.
+        for (int r = warp; r < R; r += nwarps) {
+            float* row = p_s + r * TT;
+            float mx = NEG_INF;
+            for (int t = lane; t < TT; t += 32) mx = fmaxf(mx, row[t]);
+            mx = warp_max(mx);
+            const float m_old = m_s[r];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.0f;
+            for (int t = lane; t < TT; t += 32) {
+                const float p = m_new == NEG_INF ? 0.0f : expf(row[t] - m_new);
+                row[t] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = m_old == NEG_INF ? 0.0f : expf(m_old - m_new);
+                l_s[r] = l_s[r] * alpha + sum;
+                m_s[r] = m_new;
+                a_s[r] = alpha;
+            }
+        }
+        __syncthreads();
+        // 6. Weighted sum of V into the registers.
+#pragma unroll
+        for (int j = 0; j < MAX_ACC; ++j) {
+            if (j < nrows) acc[j] *= a_s[g0 + j * dgroups];
+        }
+        if (nrows > 0) {
+            const float* pcol = p_s + g0 * TT;
+            const int step = dgroups * TT;
+            switch (rpt) {  // rows past nrows accumulate unused values, never written out
+                case 1: pv_rows<1>(acc, pcol, step, v_s, D4, own_d, TT); break;
+                case 2: pv_rows<2>(acc, pcol, step, v_s, D4, own_d, TT); break;
+                case 4: pv_rows<4>(acc, pcol, step, v_s, D4, own_d, TT); break;
+                case 8: pv_rows<8>(acc, pcol, step, v_s, D4, own_d, TT); break;
+                default: pv_rows<16>(acc, pcol, step, v_s, D4, own_d, TT); break;
+            }
+        }
+        __syncthreads();
+    }
+
+    // 7. The output (one split), or this split's partial result for the reduce kernel.
+    const i64 rows_total = batch * seq * heads;
+    float* ml = ws + rows_total * splits * dim;
+#pragma unroll
+    for (int j = 0; j < MAX_ACC; ++j) {
+        if (j >= nrows || own_d >= dim) continue;
+        const int r = g0 + j * dgroups;
+        const int qi = r / G, g = r - qi * G;
+        const i64 s = s0 + qi;
+        if (s >= seq) continue;
+        const i64 orow = (b * seq + s) * heads + kvh * G + g;
+        if (splits == 1) {
+            const float l = l_s[r];
+            out[orow * dim + own_d] = from_f32<T>(qpos[qi] >= 0 && l > 0.0f ? acc[j] / l : 0.0f);
+        } else {
+            const i64 at = orow * splits + split;
+            ws[at * dim + own_d] = acc[j];
+            if (own_d == 0) {
+                ml[2 * at] = m_s[r];
+                ml[2 * at + 1] = l_s[r];
+            }
+        }
+    }
+}
+"""
+)
+
+_REDUCE_BODY = r"""
+#define NEG_INF (__int_as_float(0xff800000u))
+
+// 256 threads; head_dim <= 256. Splits are spread over the threads (each one's loads are
+// independent), then 256 / dim thread groups sum the features over interleaved splits.
+extern "C" __global__ void __launch_bounds__(256) KERNEL(
+    T* out, const float* __restrict__ ws, i64 rows, int dim, int splits) {
+    __shared__ float weight[1024];
+    __shared__ float part[256];
+    __shared__ float scratch[32];
+    const i64 row = blockIdx.x;
+    if (row >= rows) return;
+    const float* o = ws + row * splits * dim;
+    const float* ml = ws + rows * splits * dim + row * splits * 2;
+    float big = NEG_INF;
+    for (int i = threadIdx.x; i < splits; i += blockDim.x) big = fmaxf(big, ml[2 * i]);
+    big = block_max(big, scratch);
+    float total = 0.0f;
+    for (int i = threadIdx.x; i < splits; i += blockDim.x) {
+        const float m = ml[2 * i];
+        const float w = m == NEG_INF ? 0.0f : expf(m - big);
+        weight[i] = w;
+        total += w * ml[2 * i + 1];
+    }
+    total = block_sum(total, scratch);  // its barriers also publish weight[]
+    const int groups = (int)blockDim.x / dim;
+    const int g = threadIdx.x / dim, d = threadIdx.x - g * dim;
+    if (g < groups) {
+        float acc = 0.0f;
+#pragma unroll 4
+        for (int i = g; i < splits; i += groups) acc += weight[i] * o[(i64)i * dim + d];
+        part[threadIdx.x] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x < dim) {
+        float sum = 0.0f;
+        for (int k = 0; k < groups; ++k) sum += part[k * dim + threadIdx.x];
+        out[row * dim + threadIdx.x] = from_f32<T>(total > 0.0f ? sum / total : 0.0f);
+    }
+}
+"""
+
+
+def _attention_cpu(
+    out: np.ndarray,
+    ws: np.ndarray,
+    query: np.ndarray,
+    positions: np.ndarray,
+    pos_i64: np.int32,
+    lengths: np.ndarray,
+    kcache: np.ndarray,
+    vcache: np.ndarray,
+    block_table: np.ndarray,
+    table_cols: np.int64,
+    batch: np.int64,
+    seq: np.int64,
+    heads: np.int32,
+    kv_heads: np.int32,
+    dim: np.int32,
+    q_tok: np.int64,
+    s_batch: np.int64,
+    s_token: np.int64,
+    s_head: np.int64,
+    s_dim: np.int64,
+    s_page: np.int64,
+    page_size: np.int64,
+    capacity: np.int64,
+    cache_elems: np.int64,
+    scale: np.float32,
+    q_tile: np.int32,
+    kv_tile: np.int32,
+    lanes: np.int32,
+    splits: np.int32,
+    chunk: np.int64,
+    vec: np.int32,
+    status: np.ndarray,
+) -> None:
+    # Computes the whole output (the reduce kernel's twin then has nothing left to do).
+    nb, ns, hq, hk, d = int(batch), int(seq), int(heads), int(kv_heads), int(dim)
+    strides = _strides_of(s_batch, s_token, s_head, s_dim, s_page, page_size)
+    pos = positions.view(np.int64 if pos_i64 else np.int32)[: nb * ns].astype(np.int64)
+    pos = pos.reshape(nb, ns)
+    lens = lengths[:nb].astype(np.int64)
+    table = None
+    if strides.page_size > 0:
+        table = block_table.view(np.int32)[: nb * int(table_cols)].reshape(nb, int(table_cols))
+    index = np.arange(nb * ns)[:, None] * int(q_tok) + np.arange(hq * d)[None, :]
+    q = query[index].reshape(nb, ns, hq, d)
+    clean = pos.copy()
+    faults = 0
+    bad = (clean >= 0) & ((clean >= int(capacity)) | (clean >= lens[:, None]))
+    if bad.any():
+        faults |= KernelFault.KV_POSITION
+        clean[bad] = -1
+    span = (hk - 1) * strides.head + (d - 1) * strides.dim + 1
+    for b in range(nb):  # a query whose context holds an unaddressable token: faulted
+        live = clean[b] >= 0
+        if not live.any():
+            continue
+        tokens = np.arange(int(clean[b].max()) + 1)
+        base, bits = _token_bases(
+            np.full(tokens.shape, b), tokens, table, strides, span, int(cache_elems)
+        )
+        if bits:
+            faults |= bits
+            first_bad = int(tokens[base < 0].min())
+            clean[b, clean[b] >= first_bad] = -1
+    if faults:
+        set_fault(status, KernelFault(faults))
+    geometry = _geometry(
+        tuple(int(v) for v in (s_batch, s_token, s_head, s_dim, s_page, page_size)),
+        int(capacity),
+    )
+    try:
+        result = ref.kv_attention_from(
+            kcache,
+            vcache,
+            q,
+            clean,
+            lens,
+            geometry,
+            kv_heads=hk,
+            scale=float(scale),
+            block_table=table,
+        )
+    except OpError:  # a fault the checks above did not model: flag it, output zeros
+        set_fault(status, KernelFault.KV_POSITION)
+        result = np.zeros_like(q)
+    out[: nb * ns * hq * d] = result.reshape(-1)
+
+
+def _reduce_cpu(
+    out: np.ndarray, ws: np.ndarray, rows: np.int64, dim: np.int32, splits: np.int32
+) -> None:
+    """Nothing to do on the CPU: the attention twin already wrote the whole output."""
+
+
+ATTENTION_KERNELS = register_per_dtype(
+    "kv_attention",
+    _ATTENTION_BODY,
+    (
+        "T* void* T* void* i32 i64* T* T* void* i64 i64 i64 i32 i32 i32 i64 "
+        "i64 i64 i64 i64 i64 i64 i64 i64 f32 i32 i32 i32 i32 i64 i32 u32*"
+    ),
+    _attention_cpu,
+)
+REDUCE_KERNELS = register_per_dtype(
+    "kv_attention_reduce",
+    _REDUCE_BODY,
+    ("T*", "f32*", "i64", "i32", "i32"),
+    _reduce_cpu,
+)
+
+
+# --- host side -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """How one KVAttention launch is cut up; `attention_plan` chooses it from host-known sizes."""
+
+    q_tile: int  # query tokens per block
+    kv_tile: int  # context tokens per shared-memory tile
+    lanes: int  # threads per query·key dot product
+    splits: int  # context chunks (grid z); 1: no reduce kernel, no workspace
+    chunk: int  # context tokens per split (a multiple of kv_tile)
+    shared_bytes: int
+    workspace_elems: int  # float32 elements the workspace needs (0 with one split)
+    grid: tuple[int, int, int]
+    reason: str
+
+
+def _shared_bytes(q_tile: int, rows: int, kv_tile: int, d4: int) -> int:
+    """The kernel's carve-up: see the pointer arithmetic at the top of its body."""
+    dgroups = _THREADS // d4
+    rpt = 1
+    while rpt * dgroups < rows:
+        rpt *= 2
+    padded = rpt * dgroups
+    ints = round_up(kv_tile + q_tile, 2)
+    floats = rows * d4 + kv_tile * (d4 + 4) + kv_tile * d4 + padded * kv_tile + 3 * padded
+    return 8 * ints + 4 * floats
+
+
+def attention_plan(
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    capacity: int,
+    max_context: int | None = None,
+    split: bool = True,
+    target_blocks: int = _TARGET_BLOCKS,
+) -> AttentionPlan:
+    """Tiles, lanes and split-K for a launch. ``max_context`` bounds every query's position + 1
+    (default: the capacity); ``split=False`` forces one split (no workspace)."""
+    op = "KVAttention"
+    positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    need(
+        kv_heads > 0 and heads % kv_heads == 0, op, f"kv_heads={kv_heads} must divide heads={heads}"
+    )
+    need(0 < head_dim <= _MAX_HEAD_DIM, op, f"head_dim={head_dim} must be in (0, {_MAX_HEAD_DIM}]")
+    need(capacity > 0, op, f"capacity={capacity} must be > 0")
+    group = heads // kv_heads
+    d4 = round_up(head_dim, 4)
+    max_rows = min(_MAX_ROWS, _MAX_ACC * (_THREADS // d4))
+    need(
+        group <= max_rows,
+        op,
+        f"{group} query heads per KV head with head_dim {head_dim} exceed what one block holds "
+        f"({max_rows} rows): use fewer query heads per KV head",
+    )
+    q_tile = 1 if seq <= 1 else max(1, min(seq, max_rows // group))
+    rows = q_tile * group
+    kv_tile = 16
+    for candidate in (64, 32):
+        if _shared_bytes(q_tile, rows, candidate, d4) <= _SHARED_BUDGET:
+            kv_tile = candidate
+            break
+    shared = _shared_bytes(q_tile, rows, kv_tile, d4)
+    context = min(capacity, max_context) if max_context else capacity
+    context = max(context, 1)
+    n_qtiles = -(-seq // q_tile) if seq else 0
+    base_blocks = batch * n_qtiles * kv_heads
+    splits, chunk = 1, round_up(context, kv_tile)
+    reason = "one split: "
+    if not split:
+        reason += "splitting was turned off (no workspace)"
+    elif base_blocks >= target_blocks:
+        reason += f"{base_blocks} blocks already fill the GPU"
+    else:
+        want = min(-(-target_blocks // max(base_blocks, 1)), _MAX_SPLITS)
+        while kv_tile > 16 and -(-context // kv_tile) < want:
+            kv_tile //= 2  # a short context: smaller tiles make more splits
+        want = min(want, -(-context // kv_tile))
+        chunk = round_up(-(-context // want), kv_tile)
+        splits = -(-context // chunk)
+        reason = (
+            f"{splits} split(s) of {chunk} tokens: {base_blocks} blocks alone would leave the GPU "
+            f"idle (target {target_blocks})"
+        )
+        shared = _shared_bytes(q_tile, rows, kv_tile, d4)
+    lanes = 1
+    while lanes < 8 and rows * kv_tile * lanes < _THREADS and d4 // 4 >= 2 * lanes:
+        lanes *= 2
+    workspace = batch * seq * heads * splits * (head_dim + 2) if splits > 1 else 0
+    grid = (batch * n_qtiles, kv_heads, splits)
+    return AttentionPlan(q_tile, kv_tile, lanes, splits, chunk, shared, workspace, grid, reason)
+
+
+def _check_strides(op: str, strides: KVStrides) -> None:
+    need(isinstance(strides, KVStrides), op, f"strides must be a KVStrides, got {strides!r}")
+    values = (strides.batch, strides.token, strides.head, strides.dim, strides.page)
+    need(
+        all(isinstance(v, int) and v >= 0 for v in (*values, strides.page_size)),
+        op,
+        f"strides {strides} must be non-negative ints",
+    )
+
+
+def _vector_ok(strides: KVStrides, head_dim: int, per16: int, *buffers: Buffer) -> bool:
+    """Whether 16-byte loads of a token's features are aligned in this layout."""
+    return (
+        strides.dim == 1
+        and head_dim % per16 == 0
+        and all(v % per16 == 0 for v in (strides.batch, strides.token, strides.head, strides.page))
+        and aligned(*buffers)
+    )
+
+
+def _cache_checks(
+    op: str,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    strides: KVStrides,
+    capacity: int,
+    batch: int,
+    block_table: Buffer | None,
+    table_cols: int,
+) -> tuple[Buffer, int]:
+    check_buffer(op, "key_cache", key_cache, 1)
+    need(
+        isinstance(value_cache, Buffer)
+        and value_cache.dtype == key_cache.dtype
+        and value_cache.size == key_cache.size,
+        op,
+        "key_cache and value_cache must be Buffers of one dtype and size",
+    )
+    need(capacity > 0, op, f"capacity={capacity} must be > 0")
+    if strides.page_size > 0:
+        need(
+            block_table is not None and block_table.dtype == np.dtype(np.int32),
+            op,
+            f"the layout is paged (page_size {strides.page_size}): pass the int32 block_table",
+        )
+        assert block_table is not None
+        need(table_cols > 0, op, "table_cols (block-table columns) must be > 0 for a paged layout")
+        check_buffer(op, "block_table", block_table, batch * table_cols)
+        return block_table, table_cols
+    need(block_table is None, op, "a block table was given but the layout is not paged")
+    return key_cache, 0
+
+
+def kv_commit(
+    dev: Device,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    lengths: Buffer,
+    new_key: Buffer,
+    new_value: Buffer,
+    positions: Buffer,
+    *,
+    batch: int,
+    seq: int,
+    kv_heads: int,
+    head_dim: int,
+    strides: KVStrides,
+    capacity: int,
+    block_table: Buffer | None = None,
+    table_cols: int = 0,
+    src_token_stride: int = 0,
+    status: Buffer,
+    stream: Stream,
+) -> None:
+    """Write new K/V [batch, seq, kv_heads, head_dim] at ``positions`` [batch, seq] (int64 or
+    int32, negative = padding) into the caches, and ``lengths`` (int64 [batch]) = 1 + the highest
+    position per row.
+
+    ``src_token_stride`` (elements between consecutive tokens of new_key/new_value, default
+    kv_heads*head_dim) lets them be views into a packed QKV projection. Paged layouts pass the
+    int32 ``block_table`` [batch, table_cols].
+    """
+    op = "KVCommit"
+    positive(op, batch=batch, seq=seq, kv_heads=kv_heads, head_dim=head_dim)
+    _check_strides(op, strides)
+    table, cols = _cache_checks(
+        op, key_cache, value_cache, strides, capacity, batch, block_table, table_cols
+    )
+    per_token = kv_heads * head_dim
+    src_tok = src_token_stride or per_token
+    need(src_tok >= per_token, op, f"src_token_stride={src_tok} must be >= {per_token}")
+    extent = (batch * seq - 1) * src_tok + per_token if batch * seq else 0
+    for name, buf in (("new_key", new_key), ("new_value", new_value)):
+        check_buffer(op, name, buf, extent, key_cache.dtype)
+    pos_i64 = check_index_buffer(op, "positions", positions, batch * seq)
+    check_buffer(op, "lengths", lengths, batch, np.dtype(np.int64))
+    check_status(op, status)
+    if batch == 0:
+        return
+    if seq == 0 or per_token == 0:
+        dev.fill(lengths.view(np.int64, (batch,)), 0, stream=stream)
+        return
+    itemsize = key_cache.dtype.itemsize
+    need(itemsize in (2, 4), op, f"cache dtype {key_cache.dtype} is not 2 or 4 bytes wide")
+    per16 = 16 // itemsize
+    vec = _vector_ok(strides, head_dim, per16, key_cache, value_cache, new_key, new_value) and (
+        src_tok % per16 == 0
+    )
+    kernel = dev.kernel(KV_COMMIT_KERNEL)
+    kernel.launch(
+        batch * seq,
+        _THREADS,
+        key_cache.view(np.uint8),
+        value_cache.view(np.uint8),
+        lengths,
+        new_key.view(np.uint8),
+        new_value.view(np.uint8),
+        positions, pos_i64, table, cols,
+        batch, seq, kv_heads, head_dim, src_tok,
+        strides.batch, strides.token, strides.head, strides.dim, strides.page, strides.page_size,
+        capacity, key_cache.size, itemsize, int(vec), status,
+        stream=stream,
+    )  # fmt: skip
+
+
+def kv_attention(
+    dev: Device,
+    out: Buffer,
+    query: Buffer,
+    positions: Buffer,
+    lengths: Buffer,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    strides: KVStrides,
+    capacity: int,
+    scale: float = 0.0,
+    block_table: Buffer | None = None,
+    table_cols: int = 0,
+    query_token_stride: int = 0,
+    workspace: Buffer | None = None,
+    max_context: int | None = None,
+    plan: AttentionPlan | None = None,
+    status: Buffer,
+    stream: Stream,
+) -> AttentionPlan:
+    """Causal GQA attention of query [batch, seq, heads, head_dim] at ``positions`` over the
+    caches; ``out`` [batch, seq, heads, head_dim] contiguous, zeros for padding rows.
+
+    ``lengths`` (int64 [batch]) is KVCommit's output. ``scale`` 0 means 1/sqrt(head_dim).
+    Split-K needs a float32 ``workspace`` of ``plan.workspace_elems`` elements; without one the
+    launch uses one split. ``plan`` (from `attention_plan`) pins the cut, as a captured graph
+    must; otherwise it is chosen here from the sizes and ``max_context``. Returns the plan used.
+    """
+    op = "KVAttention"
+    _check_strides(op, strides)
+    if plan is None:
+        plan = attention_plan(
+            batch=batch,
+            seq=seq,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            capacity=capacity,
+            max_context=max_context,
+            split=workspace is not None,
+        )
+    suffix = dtype_suffix(query.dtype, op)
+    positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    need(kv_heads > 0 and heads % kv_heads == 0, op, f"kv_heads={kv_heads} must divide {heads}")
+    d4 = round_up(head_dim, 4)
+    rows = plan.q_tile * (heads // kv_heads)
+    need(
+        plan.grid[:2] == (batch * -(-seq // plan.q_tile), kv_heads)
+        and plan.shared_bytes == _shared_bytes(plan.q_tile, rows, plan.kv_tile, d4)
+        and rows <= _MAX_ACC * (_THREADS // d4),
+        op,
+        f"the plan {plan.grid} was made for other sizes than batch={batch}, seq={seq}, "
+        f"heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}: build it with attention_plan",
+    )
+    table, cols = _cache_checks(
+        op, key_cache, value_cache, strides, capacity, batch, block_table, table_cols
+    )
+    need(
+        key_cache.dtype == query.dtype,
+        op,
+        f"the cache holds {key_cache.dtype}, query is {query.dtype}",
+    )
+    per_token = heads * head_dim
+    q_tok = query_token_stride or per_token
+    need(q_tok >= per_token, op, f"query_token_stride={q_tok} must be >= {per_token}")
+    extent = (batch * seq - 1) * q_tok + per_token if batch * seq else 0
+    check_buffer(op, "query", query, extent, query.dtype)
+    check_buffer(op, "out", out, batch * seq * per_token, query.dtype)
+    pos_i64 = check_index_buffer(op, "positions", positions, batch * seq)
+    check_buffer(op, "lengths", lengths, batch, np.dtype(np.int64))
+    check_status(op, status)
+    if plan.splits > 1:
+        need(
+            workspace is not None,
+            op,
+            f"the plan has {plan.splits} splits; pass a float32 workspace of "
+            f"{plan.workspace_elems} elements",
+        )
+        assert workspace is not None
+        check_buffer(op, "workspace", workspace, plan.workspace_elems, np.dtype(np.float32))
+        ws = workspace
+    else:
+        ws = out  # one split never touches the workspace; any buffer fills the slot
+    if batch * seq * heads == 0:
+        return plan
+    if scale == 0.0:
+        scale = float(np.float32(1.0 / np.sqrt(head_dim)))  # what the reference uses
+    per16 = FLOAT_DTYPES[query.dtype][2]
+    vec = _vector_ok(strides, head_dim, per16, key_cache, value_cache)
+    kernel = dev.kernel(ATTENTION_KERNELS[suffix].name)
+    kernel.launch(
+        plan.grid,
+        _THREADS,
+        out, ws, query, positions, pos_i64, lengths, key_cache, value_cache, table, cols,
+        batch, seq, heads, kv_heads, head_dim, q_tok,
+        strides.batch, strides.token, strides.head, strides.dim, strides.page, strides.page_size,
+        capacity, key_cache.size, scale, plan.q_tile, plan.kv_tile, plan.lanes, plan.splits,
+        plan.chunk, int(vec), status,
+        stream=stream,
+        shared_mem=plan.shared_bytes,
+    )  # fmt: skip
+    if plan.splits > 1:
+        rows = batch * seq * heads
+        reduce = dev.kernel(REDUCE_KERNELS[suffix].name)
+        reduce.launch(
+            rows,
+            _THREADS,
+            out,
+            ws,
+            rows,
+            head_dim,
+            plan.splits,
+            stream=stream,
+        )
+    return plan

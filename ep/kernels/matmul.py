@@ -1,0 +1,729 @@
+"""MatMul on the device: dense, 4-bit block-quantized (MatMulNBits) and MXFP4, decode and prefill.
+
+``y[M, N] = x[M, K] @ W^T`` with fp32, fp16 or bf16 activations (the output has x's dtype),
+products accumulated in fp32 and rounded once. The CUDA source is ``_matmul_kernels.cu`` beside
+this file; this module registers one kernel per (family, dtype) and picks one per call:
+
+========================  =====================================================================
+kernel                    what and launch geometry
+========================  =====================================================================
+``ep_gemv_nk_<dt>``       decode, dense W [N, K] (``transpose_b=1``, HF "out x in"): each output
+                          reads one contiguous weight row. Block 256 threads = 8 warps; a warp
+                          owns 8 output columns (weight rows) and one K slice; 4 lanes a row,
+                          one 16-byte load each per step of 32 k, 4 steps in flight. fp16/bf16:
+                          the weights are the B operand of ``mma.sync m16n8k16`` (x rows padded
+                          to 16 as A); fp32: SIMT FMAs and two shuffles.
+``ep_gemv_kn_<dt>``       decode, dense W [K, N] (``transpose_b=0``, ONNX orientation): a warp
+                          owns 64 output columns; lanes load 16-byte runs of 4 weight rows and
+                          byte permutes pair the k values of one column for the MMA.
+``ep_gemv_q4_<dt>``       decode, MatMulNBits 4-bit: a lane's 16 bytes are 32 weights of one row
+                          (one block for block sizes >= 32), dequantized in registers without
+                          int-to-float converts (each nibble becomes the low byte of a 16-bit
+                          float whose high byte is a "magic" exponent: magic + q exactly).
+                          fp16/bf16: the dequantized weights are the MMA's A operand, written
+                          straight into its fragment registers: a warp owns 16 weight rows, x is
+                          B (8 batch rows an MMA, no register shuffling); 3 blocks an SM.
+``ep_gemv_mx4_<dt>``      decode, MXFP4: like ``q4``; a lane's 16 bytes are one MX block (32 E2M1
+                          codes, one E8M0 scale), decoded with byte-permute tables held in two
+                          registers (a 16-entry lookup without memory).
+``ep_gemm_<fmt>_<dt>``    prefill: 64 x 64 output tiles. fp16/bf16: 128 threads (2 x 2 warps of
+                          32 x 32), K tiles of 32 double-buffered in shared memory (cp.async for
+                          dense, dequantize-into-shared for q4/mx4), ``mma.sync m16n8k16`` fed by
+                          ``ldmatrix``. fp32: 256 threads, 4 x 4 outputs each, K tiles of 16.
+========================  =====================================================================
+
+GEMV vs GEMM: ``M <= 16`` (`GEMV_MAX_ROWS`) runs the GEMV, which reads every weight byte once per
+launch for all M rows; larger M runs the GEMM, whose weight traffic is amortised over 64-row
+tiles (the prefill path for 4-bit/MXFP4 dequantizes each 64 x 32 weight tile into shared memory
+once per 64 rows of x).
+
+Split-K: a GEMV has far fewer output columns than the GPU has warps to keep memory busy, so K is
+split over the 8 warps of a block (``kw`` slices) and, when a `MatmulWorkspace` is passed, over
+blocks too (``gy``), as far as one wave of blocks allows. Each block writes fp32 partial sums to
+the workspace; the last block of a column group adds them in a fixed order, writes y and zeroes
+its counter again (so the workspace serves the next launch and captured graphs). The split
+depends only on N, K, the format, the workspace size and the GPU's SM count, never on M or on
+timing, so a row's result is bitwise the same at any M <= 16 and on every run. Use one workspace
+per stream. Without a workspace (``gy = 1``) results differ from those with one in rounding only.
+
+Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
+rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
+(measured on the H200: about 0.6 of ``nk``'s bandwidth on the vocabulary projection). Both are
+correct for any sizes; unaligned buffers or sizes that are not a multiple of 16 bytes take an
+element-wise load path (slower, same results).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Literal
+
+import ml_dtypes
+import numpy as np
+
+from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream, register_kernel
+from ep.errors import KernelArgumentError
+from ep.ops.matmul import (
+    MXFP4_BLOCK,
+    dequantize_mxfp4,
+    dequantize_nbits,
+    matmul_mxfp4,
+    matmul_nbits,
+    matmul_nbits_zp,
+)
+
+__all__ = [
+    "GEMV_MAX_ROWS",
+    "MATMUL_KERNELS",
+    "MatmulPlan",
+    "MatmulWorkspace",
+    "gemm",
+    "gemm_mxfp4",
+    "gemm_nbits",
+    "matmul_workspace",
+    "plan_matmul",
+]
+
+GEMV_MAX_ROWS = 16  # the M rows of one m16n8k16 MMA
+Format = Literal["nk", "kn", "q4", "mx4"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+# dtype -> (kernel-name suffix, CUDA C type)
+_DTYPES: dict[np.dtype, tuple[str, str]] = {
+    np.dtype(np.float32): ("f32", "float"),
+    np.dtype(np.float16): ("f16", "__half"),
+    _BF16: ("bf16", "__nv_bfloat16"),
+}
+_FLAG_W16, _FLAG_X16, _FLAG_ZP, _FLAG_W8 = 1, 2, 4, 8
+_GEMV_THREADS = 256  # 8 warps; the .cu kernels assume it (launch bounds, shared arrays)
+_DEFAULT_SMS = 132  # H200; used when the device does not say
+_WARPS_PER_SM = (
+    24  # resident warps a GEMV block of 8 warps leaves room for (3 blocks at <= 85 regs)
+)
+
+
+# --- source and registration -------------------------------------------------------------------
+
+
+def _cuda_source() -> str:
+    return resources.files("ep.kernels").joinpath("_matmul_kernels.cu").read_text()
+
+
+_GEMV_ROWS = {
+    "nk": (
+        "const T* w",
+        "const epk::DenseRows<T> p{w, K, (flags & EPK_W16) != 0};",
+        "epk::DenseRows<T>",
+    ),
+    "q4": (
+        "const u8* b, const T* scales, const u8* zp",
+        "const epk::Q4Rows<T> p{b, scales, zp, kb, (kb << bs_shift) >> 1, (kb + 1) >> 1, "
+        "bs_shift, (flags & EPK_W16) != 0, (flags & EPK_ZP) != 0};",
+        "epk::Q4Rows<T>",
+    ),
+    "mx4": (
+        "const u8* b, const u8* scales",
+        "const epk::Mx4Rows<T> p{b, scales, K >> 5, K >> 1, (flags & EPK_W16) != 0};",
+        "epk::Mx4Rows<T>",
+    ),
+}
+_Q4_SIZES = "int M, int N, int K, int kb, int bs_shift"
+
+
+def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool) -> str:
+    sizes = _Q4_SIZES if fmt == "q4" else "int M, int N, int K"
+    blocks = 3 if fmt in ("q4", "mx4") and not fp32 else 1  # 3 blocks an SM: <= 85 registers
+    head = f'extern "C" __global__ void __launch_bounds__({_GEMV_THREADS}, {blocks}) {name}('
+    if fmt == "kn":
+        return (
+            f"{head}T* y, const T* x, const T* w, float* ws, u32* counters, {sizes}, int kw, "
+            f"int gy, u32 flags) {{\n"
+            f"  epk::col_gemv<T, {unroll}>(y, x, w, ws, counters, M, N, K, kw, gy, flags);\n}}\n"
+        )
+    weights, policy, ptype = _GEMV_ROWS[fmt]
+    # 4-bit and MXFP4 on tensor cores: the dequantized weights are the MMA's A operand.
+    body = "row_gemv" if fp32 or fmt == "nk" else "row_gemv_wt"
+    return (
+        f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
+        f"u32 flags) {{\n  {policy}\n"
+        f"  epk::{body}<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, flags);"
+        "\n}\n"
+    )
+
+
+def _gemm_entry(fmt: str, name: str, fp32: bool) -> str:
+    threads = 256 if fp32 else 128
+    n0 = "blockIdx.x * epk::SN" if fp32 else "blockIdx.x * epk::TN"
+    head = f'extern "C" __global__ void __launch_bounds__({threads}) {name}('
+    w16 = "(flags & EPK_W16) != 0"
+    w8 = "(flags & EPK_W8) != 0"
+    zp = "(flags & EPK_ZP) != 0"
+    if fmt in ("nk", "kn"):
+        args = "T* y, const T* x, const T* w, int M, int N, int K, u32 flags"
+        if fp32:
+            tile = "F32NKTile" if fmt == "nk" else "F32KNTile"
+            make = f"epk::{tile} bt{{w, N, K, {n0}, {w16}, {{}}}};"
+        else:
+            tile = "DenseNKTile" if fmt == "nk" else "DenseKNTile"
+            make = f"epk::{tile}<T> bt(w, N, K, {n0}, {w16});"
+    elif fmt == "q4":
+        args = (
+            f"T* y, const T* x, const u8* b, const T* scales, const u8* zp, {_Q4_SIZES}, u32 flags"
+        )
+        common = "b, scales, zp, N, kb, (kb << bs_shift) >> 1, (kb + 1) >> 1, bs_shift"
+        if fp32:
+            make = f"epk::F32Q4Tile bt{{{common}, {n0}, {zp}, {{}}}};"
+        else:
+            make = f"epk::Q4Tile<T> bt{{{common}, {n0}, {w8}, {zp}, {{}}}};"
+    else:
+        args = "T* y, const T* x, const u8* b, const u8* scales, int M, int N, int K, u32 flags"
+        common = f"b, scales, N, K >> 5, K >> 1, {n0}"
+        if fp32:
+            make = f"epk::F32Mx4Tile bt{{{common}, {{}}}};"
+        else:
+            make = f"epk::Mx4Tile<T> bt{{{common}, {w8}, {{}}}};"
+    call = (
+        "epk::gemm_simt(y, x, bt, M, N, K, flags);"
+        if fp32
+        else ("epk::gemm_tc<T>(y, x, bt, M, N, K, flags);")
+    )
+    return f"{head}{args}) {{\n  {make}\n  {call}\n}}\n"
+
+
+# Kernel parameter lists ("T*" is the activation pointer type of each dtype).
+_GEMV_PARAMS: dict[str, tuple[str, ...]] = {
+    "nk": ("T*", "T*", "T*", "void*", "void*", "i32", "i32", "i32", "i32", "i32", "u32"),
+    "kn": ("T*", "T*", "T*", "void*", "void*", "i32", "i32", "i32", "i32", "i32", "u32"),
+    "q4": ("T*", "T*", "u8*", "T*", "u8*", "void*", "void*", *["i32"] * 7, "u32"),
+    "mx4": ("T*", "T*", "u8*", "u8*", "void*", "void*", *["i32"] * 5, "u32"),
+}
+_GEMM_PARAMS: dict[str, tuple[str, ...]] = {
+    "nk": ("T*", "T*", "T*", "i32", "i32", "i32", "u32"),
+    "kn": ("T*", "T*", "T*", "i32", "i32", "i32", "u32"),
+    "q4": ("T*", "T*", "u8*", "T*", "u8*", *["i32"] * 5, "u32"),
+    "mx4": ("T*", "T*", "u8*", "u8*", "i32", "i32", "i32", "u32"),
+}
+# Steps each warp keeps in flight (weight registers per lane: 16 bytes x unroll).
+_UNROLL: dict[tuple[str, bool], int] = {
+    ("nk", False): 4,
+    ("nk", True): 2,
+    ("kn", False): 2,
+    ("kn", True): 2,
+    ("q4", False): 2,
+    ("q4", True): 2,
+    ("mx4", False): 2,
+    ("mx4", True): 2,
+}
+
+
+# --- CPU twins: the NumPy references of ep.ops, whatever the grid ------------------------------
+#
+# The GEMV twins multiply row by row, so that (as on the GPU) a row's result does not depend on the
+# other rows of the batch: a BLAS GEMM blocks its sums differently for different M.
+
+
+def _product(a: np.ndarray, wt: np.ndarray, by_rows: bool) -> np.ndarray:
+    """``a @ wt`` rounded to a's dtype, with the arithmetic of the ep.ops references (fp32)."""
+    a32 = a.astype(np.float32, copy=False)
+    w32 = wt.astype(np.float32, copy=False)
+    if by_rows:
+        out = np.concatenate([np.matmul(a32[i : i + 1], w32) for i in range(a.shape[0])])
+    else:
+        out = np.matmul(a32, w32)
+    return out.astype(a.dtype, copy=False)
+
+
+def _twin_dense(nk: bool, gemv: bool) -> Callable[..., None]:
+    def twin(y: np.ndarray, x: np.ndarray, w: np.ndarray, *rest: np.generic) -> None:
+        M, N, K = (int(v) for v in (rest[2:5] if gemv else rest[:3]))
+        wt = w[: N * K].reshape((N, K) if nk else (K, N))
+        # ep.ops.matmul.matmul_weight's arithmetic (it takes its weight from a resolver by name)
+        y[: M * N] = _product(x[: M * K].reshape(M, K), wt.T if nk else wt, gemv).reshape(-1)
+
+    return twin
+
+
+def _twin_q4(gemv: bool) -> Callable[..., None]:
+    def twin(
+        y: np.ndarray,
+        x: np.ndarray,
+        b: np.ndarray,
+        scales: np.ndarray,
+        zp: np.ndarray,
+        *rest: np.generic,
+    ) -> None:
+        sizes = rest[2:7] if gemv else rest[:5]
+        M, N, K, kb, shift = (int(v) for v in sizes)
+        block = 1 << shift
+        a = x[: M * K].reshape(M, K)
+        packed = b[: N * kb * block // 2].reshape(N, kb, block // 2)
+        s = scales[: N * kb]
+        z = zp[: N * ((kb + 1) // 2)] if int(rest[-1]) & _FLAG_ZP else None
+        if not gemv:
+            if z is not None:
+                out = matmul_nbits_zp(a, packed, s, z, K=K, N=N, bits=4, block_size=block)
+            else:
+                out = matmul_nbits(a, packed, s, K=K, N=N, bits=4, block_size=block)
+            y[: M * N] = out.reshape(-1)
+            return
+        w = dequantize_nbits(packed, s, z, K=K, N=N, block_size=block)
+        y[: M * N] = _product(a, w.T, True).reshape(-1)  # matmul_nbits(_zp), row by row
+
+    return twin
+
+
+def _twin_mx4(gemv: bool) -> Callable[..., None]:
+    def twin(
+        y: np.ndarray, x: np.ndarray, b: np.ndarray, scales: np.ndarray, *rest: np.generic
+    ) -> None:
+        M, N, K = (int(v) for v in (rest[2:5] if gemv else rest[:3]))
+        kb = K // MXFP4_BLOCK
+        a = x[: M * K].reshape(M, K)
+        packed = b[: N * K // 2].reshape(N, kb, MXFP4_BLOCK // 2)
+        s = scales[: N * kb].reshape(N, kb)
+        if gemv:  # matmul_mxfp4, row by row
+            out = _product(a, dequantize_mxfp4(packed, s).T, True)
+        else:
+            out = matmul_mxfp4(a, packed, s, K=K, N=N)
+        y[: M * N] = out.reshape(-1)
+
+    return twin
+
+
+def _twin(fmt: str, gemv: bool) -> Callable[..., None]:
+    if fmt in ("nk", "kn"):
+        return _twin_dense(fmt == "nk", gemv)
+    return _twin_q4(gemv) if fmt == "q4" else _twin_mx4(gemv)
+
+
+def _register() -> dict[str, KernelSource]:
+    body = _cuda_source()
+    options = CompileOptions(cuda_headers=True)  # tolerance-tested: FMA contraction stays on
+    out: dict[str, KernelSource] = {}
+    for suffix, ctype in _DTYPES.values():
+        fp32 = suffix == "f32"
+        for fmt in ("nk", "kn", "q4", "mx4"):
+            for kind in ("gemv", "gemm"):
+                name = f"ep_{kind}_{fmt}_{suffix}"
+                if kind == "gemv":
+                    entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32)
+                    params = _GEMV_PARAMS[fmt]
+                else:
+                    entry = _gemm_entry(fmt, name, fp32)
+                    params = _GEMM_PARAMS[fmt]
+                source = f"{body}\ntypedef {ctype} T;\n{entry}"
+                out[name] = register_kernel(
+                    KernelSource(
+                        name=name,
+                        source=source,
+                        params=tuple(p.replace("T*", f"{suffix}*") for p in params),
+                        options=options,
+                        cpu=_twin(fmt, kind == "gemv"),
+                    )
+                )
+    return out
+
+
+MATMUL_KERNELS: dict[str, KernelSource] = _register()
+
+
+# --- workspace -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MatmulWorkspace:
+    """Scratch for GEMVs split over blocks: fp32 partial sums and per-block arrival counters.
+
+    The counters are zero between launches (each launch's last block resets its own), so one
+    workspace serves every GEMV and every graph replay on one stream; do not share it between
+    streams that run at the same time.
+    """
+
+    partials: Buffer  # float32
+    counters: Buffer  # uint32
+
+    @property
+    def floats(self) -> int:
+        return self.partials.size
+
+    @property
+    def slots(self) -> int:
+        return self.counters.size
+
+
+def matmul_workspace(
+    dev: Device,
+    *,
+    stream: Stream,
+    floats: int = 1 << 22,
+    counters: int = 1 << 16,
+    name: str = "matmul-workspace",
+) -> MatmulWorkspace:
+    """Allocate a workspace (default 16 MiB of partial sums, 65536 counters) and zero it."""
+    _need(
+        floats > 0 and counters > 0,
+        "matmul_workspace",
+        f"floats={floats} and counters={counters} must be positive",
+    )
+    partials = dev.alloc(floats, np.float32, stream=stream, name=f"{name}.partials")
+    slots = dev.alloc(counters, np.uint32, stream=stream, name=f"{name}.counters")
+    dev.fill(slots, 0, stream=stream)
+    return MatmulWorkspace(partials, slots)
+
+
+# --- planning ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MatmulPlan:
+    """Which kernel a call runs and how it is launched, with the reason in words."""
+
+    kernel: str
+    kind: Literal["gemv", "gemm"]
+    grid: tuple[int, int, int]
+    block: int
+    kw: int  # GEMV: K slices over the warps of a block
+    gy: int  # GEMV: K slices over blocks (needs a workspace when > 1)
+    reason: str
+
+
+def _need(ok: bool, op: str, message: str) -> None:
+    if not ok:
+        raise KernelArgumentError(f"{op}: {message}")
+
+
+def _gemv_shape(fmt: Format, fp32: bool, N: int, K: int, block_size: int) -> tuple[int, int, int]:
+    """(output columns per warp group, column groups, K steps per group) of a GEMV."""
+    if fmt == "kn":
+        return 64, -(-N // 64), -(-K // (4 if fp32 else 16))
+    if fmt == "nk":
+        return 8, -(-N // 8), -(-K // 32)
+    if fmt == "q4":
+        k_blocks = -(-K // block_size)
+        steps = -(-(k_blocks * block_size // 2) // 64)
+    else:
+        steps = -(-K // 128)
+    cols = 8 if fp32 else 16  # fp16/bf16: 16 weight rows, the MMA's A operand
+    return cols, -(-N // cols), steps
+
+
+def plan_matmul(
+    fmt: Format,
+    dtype: np.dtype,
+    *,
+    M: int,
+    N: int,
+    K: int,
+    block_size: int = 32,
+    workspace: MatmulWorkspace | None = None,
+    sm_count: int = _DEFAULT_SMS,
+) -> MatmulPlan:
+    """The kernel and launch geometry for one call (M decides GEMV vs GEMM; nothing else does).
+
+    The GEMV's K split depends on N, K, the format, the workspace and ``sm_count`` only, so the
+    arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS`.
+    """
+    found = _DTYPES.get(np.dtype(dtype))
+    _need(
+        found is not None,
+        "matmul",
+        f"dtype {dtype} has no kernel; expected float32, float16 or bfloat16",
+    )
+    assert found is not None
+    suffix = found[0]
+    fp32 = suffix == "f32"
+    if M > GEMV_MAX_ROWS:
+        tiles_n, tiles_m = -(-N // 64), -(-M // 64)
+        _need(tiles_m <= 65535, "matmul", f"M={M} needs {tiles_m} row tiles; at most 65535")
+        return MatmulPlan(
+            f"ep_gemm_{fmt}_{suffix}",
+            "gemm",
+            (tiles_n, tiles_m, 1),
+            256 if fp32 else 128,
+            1,
+            1,
+            f"M={M} > {GEMV_MAX_ROWS}: tiled GEMM, {tiles_n}x{tiles_m} tiles of 64x64"
+            + ("" if fp32 else " on tensor cores"),
+        )
+    cols, groups, steps = _gemv_shape(fmt, fp32, N, K, block_size)
+    # As many K slices as keep one wave of blocks on the GPU (never more: a second wave is a
+    # tail of mostly idle SMs) and at least one K step per slice.
+    slices = max(1, min(steps, sm_count * _WARPS_PER_SM // groups))
+    kw = 1
+    while kw * 2 <= min(8, slices):
+        kw *= 2
+    gy = 1
+    why = "no workspace: K split over the warps of a block only"
+    if workspace is not None:
+        gy = max(1, min(slices // kw, 64, workspace.floats // (GEMV_MAX_ROWS * N)))
+        if -(-groups // (8 // kw)) > workspace.slots:
+            gy = 1
+        why = f"workspace: K split over {gy} block(s) too"
+    grid_x = -(-groups // (8 // kw))
+    _need(grid_x <= 2**31 - 1, "matmul", f"N={N} needs {grid_x} blocks; too many")
+    return MatmulPlan(
+        f"ep_gemv_{fmt}_{suffix}",
+        "gemv",
+        (grid_x, gy, 1),
+        _GEMV_THREADS,
+        kw,
+        gy,
+        f"M={M} <= {GEMV_MAX_ROWS}: GEMV, {groups} groups of {cols} columns x {kw * gy} K slices "
+        f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}",
+    )
+
+
+def _sm_count(dev: Device) -> int:
+    count = getattr(dev, "sm_count", None)
+    if isinstance(count, int) and count > 0:
+        return count
+    core = getattr(dev, "_core", None)  # cuda.core's Device, on the CUDA device
+    try:
+        return int(core.properties.multiprocessor_count) if core is not None else _DEFAULT_SMS
+    except Exception:  # an older cuda.core without the property: the H200's count
+        return _DEFAULT_SMS
+
+
+# --- argument checks ------------------------------------------------------------------------------
+
+
+def _sizes(op: str, **sizes: int) -> None:
+    for key, value in sizes.items():
+        _need(
+            isinstance(value, int | np.integer)
+            and not isinstance(value, bool)
+            and 0 < value < 2**31,
+            op,
+            f"{key}={value!r} must be an integer in [1, 2^31)",
+        )
+
+
+def _buffer(
+    op: str, dev: Device, role: str, buffer: object, elements: int, dtype: np.dtype
+) -> Buffer:
+    _need(isinstance(buffer, Buffer), op, f"{role} must be a Buffer, got {type(buffer).__name__}")
+    assert isinstance(buffer, Buffer)
+    _need(
+        buffer.device is dev,
+        op,
+        f"{role} {buffer.name!r} is on {buffer.device.name}, the call on {dev.name}",
+    )
+    _need(
+        buffer.dtype == dtype,
+        op,
+        f"{role} {buffer.name!r} is {buffer.dtype}; expected {dtype}"
+        + ("" if role != "out" else " (the output has the activations' dtype)"),
+    )
+    _need(
+        buffer.size >= elements,
+        op,
+        f"{role} {buffer.name!r} holds {buffer.size} elements; these sizes need {elements}",
+    )
+    return buffer
+
+
+def _disjoint(op: str, out: Buffer, inputs: dict[str, Buffer]) -> None:
+    """The output may not share bytes with an input: blocks read inputs while others write."""
+    a0 = out.offset
+    a1 = a0 + out.nbytes
+    for role, buf in inputs.items():
+        if buf.root is out.root:
+            b0 = buf.offset
+            if a0 < b0 + buf.nbytes and b0 < a1:
+                raise KernelArgumentError(
+                    f"{op}: out {out.name!r} overlaps {role} {buf.name!r} in one allocation; "
+                    "write the result to a separate buffer"
+                )
+
+
+def _activation_dtype(op: str, x: object) -> np.dtype:
+    _need(isinstance(x, Buffer), op, f"x must be a Buffer, got {type(x).__name__}")
+    assert isinstance(x, Buffer)
+    _need(
+        x.dtype in _DTYPES,
+        op,
+        f"x {x.name!r} is {x.dtype}; expected float32, float16 or bfloat16 activations",
+    )
+    return x.dtype
+
+
+def _x16(x: Buffer, K: int) -> int:
+    return _FLAG_X16 if x.ptr % 16 == 0 and (K * x.dtype.itemsize) % 16 == 0 else 0
+
+
+def _check_workspace(op: str, dev: Device, workspace: MatmulWorkspace | None) -> None:
+    if workspace is None:
+        return
+    _need(
+        isinstance(workspace, MatmulWorkspace),
+        op,
+        f"workspace must be a MatmulWorkspace (from matmul_workspace), got "
+        f"{type(workspace).__name__}",
+    )
+    for role, buf, dtype in (
+        ("workspace.partials", workspace.partials, np.dtype(np.float32)),
+        ("workspace.counters", workspace.counters, np.dtype(np.uint32)),
+    ):
+        _buffer(op, dev, role, buf, 1, dtype)
+
+
+def _launch(
+    dev: Device,
+    plan: MatmulPlan,
+    args: list[object],
+    workspace: MatmulWorkspace | None,
+    out: Buffer,
+    stream: Stream,
+) -> MatmulPlan:
+    """Launch ``plan``; GEMV kernels get (workspace, counters) after the weights, (kw, gy) last."""
+    kernel = dev.kernel(plan.kernel)
+    if plan.kind == "gemv":
+        ws: Buffer = workspace.partials if workspace is not None else out  # unused when gy == 1
+        cnt: Buffer = workspace.counters if workspace is not None else out
+        *head, flags = args
+        n_weights = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}[plan.kernel.split("_")[2]]
+        full = [*head[:n_weights], ws, cnt, *head[n_weights:], plan.kw, plan.gy, flags]
+        kernel.launch(plan.grid, plan.block, *full, stream=stream)
+    else:
+        kernel.launch(plan.grid, plan.block, *args, stream=stream)
+    return plan
+
+
+# --- the wrappers ---------------------------------------------------------------------------------
+
+
+def gemm(
+    dev: Device,
+    out: Buffer,
+    x: Buffer,
+    w: Buffer,
+    *,
+    M: int,
+    N: int,
+    K: int,
+    transpose_b: int,
+    stream: Stream,
+    workspace: MatmulWorkspace | None = None,
+) -> MatmulPlan:
+    """``out[M, N] = x[M, K] @ W``: W is [K, N] (``transpose_b=0``) or [N, K] (``transpose_b=1``).
+
+    The same contract as `ep.ops.matmul.matmul_weight`. x, w and out share a float dtype.
+    Returns the plan it ran.
+    """
+    op = "gemm"
+    _sizes(op, M=M, N=N, K=K)
+    _need(transpose_b in (0, 1), op, f"transpose_b={transpose_b!r} must be 0 or 1")
+    dtype = _activation_dtype(op, x)
+    _buffer(op, dev, "x", x, M * K, dtype)
+    _buffer(op, dev, "w", w, N * K, dtype)
+    _buffer(op, dev, "out", out, M * N, dtype)
+    _disjoint(op, out, {"x": x, "w": w})
+    _check_workspace(op, dev, workspace)
+    fmt: Format = "nk" if transpose_b else "kn"
+    row = (K if transpose_b else N) * dtype.itemsize
+    flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
+    plan = plan_matmul(fmt, dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev))
+    return _launch(dev, plan, [out, x, w, M, N, K, flags], workspace, out, stream)
+
+
+def gemm_nbits(
+    dev: Device,
+    out: Buffer,
+    x: Buffer,
+    b: Buffer,
+    scales: Buffer,
+    zero_points: Buffer | None = None,
+    *,
+    M: int,
+    N: int,
+    K: int,
+    block_size: int,
+    stream: Stream,
+    bits: int = 4,
+    workspace: MatmulWorkspace | None = None,
+) -> MatmulPlan:
+    """``out = x @ dequantize(B)^T`` for MatMulNBits weights (`ep.ops.matmul.matmul_nbits`).
+
+    b: uint8 [N, ceil(K/block_size), block_size/2]; scales: x's dtype [N * k_blocks];
+    zero_points: uint8 [N, ceil(k_blocks/2)] packed two per byte, or None for zero point 8.
+    """
+    op = "gemm_nbits"
+    _sizes(op, M=M, N=N, K=K, block_size=block_size)
+    _need(bits == 4, op, f"bits={bits}; only 4-bit weights have a kernel")
+    _need(
+        block_size >= 16 and block_size & (block_size - 1) == 0,
+        op,
+        f"block_size={block_size} must be a power of two >= 16",
+    )
+    dtype = _activation_dtype(op, x)
+    k_blocks = -(-K // block_size)
+    row_bytes = k_blocks * block_size // 2
+    u8 = np.dtype(np.uint8)
+    _buffer(op, dev, "x", x, M * K, dtype)
+    _buffer(op, dev, "b", b, N * row_bytes, u8)
+    _buffer(op, dev, "scales", scales, N * k_blocks, dtype)
+    inputs = {"x": x, "b": b, "scales": scales}
+    flags = _x16(x, K)
+    if zero_points is not None:
+        _buffer(op, dev, "zero_points", zero_points, N * ((k_blocks + 1) // 2), u8)
+        inputs["zero_points"] = zero_points
+        flags |= _FLAG_ZP
+    _buffer(op, dev, "out", out, M * N, dtype)
+    _disjoint(op, out, inputs)
+    _check_workspace(op, dev, workspace)
+    if b.ptr % 16 == 0 and row_bytes % 16 == 0:
+        flags |= _FLAG_W16
+    if b.ptr % 8 == 0:
+        flags |= _FLAG_W8
+    plan = plan_matmul(
+        "q4",
+        dtype,
+        M=M,
+        N=N,
+        K=K,
+        block_size=block_size,
+        workspace=workspace,
+        sm_count=_sm_count(dev),
+    )
+    shift = int(math.log2(block_size))
+    zp = zero_points if zero_points is not None else b  # never read without EPK_ZP
+    args: list[object] = [out, x, b, scales, zp, M, N, K, k_blocks, shift, flags]
+    return _launch(dev, plan, args, workspace, out, stream)
+
+
+def gemm_mxfp4(
+    dev: Device,
+    out: Buffer,
+    x: Buffer,
+    b: Buffer,
+    scales: Buffer,
+    *,
+    M: int,
+    N: int,
+    K: int,
+    stream: Stream,
+    workspace: MatmulWorkspace | None = None,
+) -> MatmulPlan:
+    """``out = x @ dequantize_mxfp4(b, scales)^T`` (`ep.ops.matmul.matmul_mxfp4`).
+
+    b: uint8 [N, K/32, 16] (E2M1 pairs, low nibble first); scales: uint8 [N, K/32] (E8M0).
+    K must be a multiple of 32. For fp16 activations the dequantized weights are fp16, so a
+    block whose scale puts them outside fp16's range overflows (as any fp16 product would).
+    """
+    op = "gemm_mxfp4"
+    _sizes(op, M=M, N=N, K=K)
+    _need(K % MXFP4_BLOCK == 0, op, f"K={K} must be a multiple of {MXFP4_BLOCK} (one MX block)")
+    dtype = _activation_dtype(op, x)
+    u8 = np.dtype(np.uint8)
+    _buffer(op, dev, "x", x, M * K, dtype)
+    _buffer(op, dev, "b", b, N * K // 2, u8)
+    _buffer(op, dev, "scales", scales, N * K // MXFP4_BLOCK, u8)
+    _buffer(op, dev, "out", out, M * N, dtype)
+    _disjoint(op, out, {"x": x, "b": b, "scales": scales})
+    _check_workspace(op, dev, workspace)
+    flags = _x16(x, K) | (_FLAG_W16 if b.ptr % 16 == 0 else 0) | (_FLAG_W8 if b.ptr % 8 == 0 else 0)
+    plan = plan_matmul("mx4", dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev))
+    return _launch(dev, plan, [out, x, b, scales, M, N, K, flags], workspace, out, stream)

@@ -1,0 +1,576 @@
+"""KVCommit and KVAttention kernels against `ep.ops.kv`, in head-major, seq-major and paged
+layouts (one compiled kernel each, strides as arguments), GQA 1 and 7, prefill and split-K decode,
+a left-padded batch of 3."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ep.device import Buffer, Device
+from ep.errors import KernelArgumentError, KernelFaultError
+from ep.kernels import KernelFault, attention, check_faults, new_status
+from ep.ops import kv as ref
+from ep.seams import KVStrides
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.dtype(np.float32)
+# Max |kernel - reference| / max |reference|. float32: online softmax and summation order only.
+TOL = {F32: 1e-5, np.dtype(np.float16): 1e-2, BF16: 1e-2}
+LAYOUTS = ["head_major", "seq_major", "paged", "paged_head_major"]
+
+
+def upload(device: Device, array: np.ndarray) -> Buffer:
+    return device.to_device(np.ascontiguousarray(array), stream=device.default_stream)
+
+
+def poisoned(device: Device, shape: int | tuple[int, ...], dtype: np.dtype) -> Buffer:
+    buf = device.alloc(shape, dtype, stream=device.default_stream)
+    device.fill(buf.view(np.uint8), 0xFF, stream=device.default_stream)
+    return buf
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    assert not np.isnan(g).any(), "the kernel left NaN (poison) in its output"
+    return float(np.abs(g - w).max() / max(np.abs(w).max(), 1e-30))
+
+
+@dataclass
+class Cache:
+    """One layer's K/V in a layout, mirrored: NumPy arrays for the reference, device buffers."""
+
+    strides: KVStrides
+    capacity: int
+    key: np.ndarray
+    value: np.ndarray
+    dkey: Buffer
+    dvalue: Buffer
+    table: np.ndarray | None
+    dtable: Buffer | None
+
+    @property
+    def geometry(self) -> np.ndarray:
+        return ref.kv_geometry(self.strides, self.capacity)
+
+    @property
+    def table_cols(self) -> int:
+        return 0 if self.table is None else self.table.shape[1]
+
+
+def make_cache(
+    device: Device,
+    kind: str,
+    *,
+    batch: int,
+    capacity: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: np.dtype,
+    rng: np.random.Generator,
+    page: int = 16,
+) -> Cache:
+    hk, d, c = kv_heads, head_dim, capacity
+    table = None
+    if kind == "head_major":  # [B, Hkv, C, D]
+        strides, elems = KVStrides(hk * c * d, d, c * d, 1), batch * hk * c * d
+    elif kind == "seq_major":  # [B, C, Hkv, D]
+        strides, elems = KVStrides(c * hk * d, hk * d, d, 1), batch * c * hk * d
+    else:  # pages of `page` tokens: [pages, P, Hkv, D] or [pages, Hkv, P, D]; shuffled table
+        per_row = -(-c // page)
+        pages = batch * per_row + 3  # spare pages nobody maps
+        if kind == "paged":
+            strides = KVStrides(0, hk * d, d, 1, page * hk * d, page)
+        else:
+            strides = KVStrides(0, d, page * d, 1, hk * page * d, page)
+        elems = pages * page * hk * d
+        table = rng.permutation(pages)[: batch * per_row].reshape(batch, per_row).astype(np.int32)
+    key = np.full(elems, 0xFF, np.uint8).view(np.uint8)
+    raw = np.full(elems * dtype.itemsize, 0xFF, np.uint8)
+    key, value = raw.view(dtype).copy(), raw.view(dtype).copy()
+    return Cache(
+        strides,
+        capacity,
+        key,
+        value,
+        upload(device, key),
+        upload(device, value),
+        table,
+        None if table is None else upload(device, table),
+    )
+
+
+def left_padded(lengths: list[int], seq: int) -> np.ndarray:
+    pos = np.full((len(lengths), seq), -1, dtype=np.int64)
+    for b, n in enumerate(lengths):
+        pos[b, seq - n :] = np.arange(n)
+    return pos
+
+
+def commit(device: Device, cache: Cache, k: np.ndarray, v: np.ndarray, pos: np.ndarray) -> Buffer:
+    """KVCommit on both sides; checks the caches byte for byte and the lengths; returns them."""
+    batch, seq, hk, d = k.shape
+    want_len = ref.kv_commit_into(cache.key, cache.value, k, v, pos, cache.geometry, cache.table)
+    lengths = poisoned(device, batch, np.dtype(np.int64))
+    status = new_status(device, stream=device.default_stream)
+    attention.kv_commit(
+        device,
+        cache.dkey,
+        cache.dvalue,
+        lengths,
+        upload(device, k),
+        upload(device, v),
+        upload(device, pos),
+        batch=batch,
+        seq=seq,
+        kv_heads=hk,
+        head_dim=d,
+        strides=cache.strides,
+        capacity=cache.capacity,
+        block_table=cache.dtable,
+        table_cols=cache.table_cols,
+        status=status,
+        stream=device.default_stream,
+    )
+    check_faults(device, status, stream=device.default_stream)
+    s = device.default_stream
+    np.testing.assert_array_equal(lengths.to_host(stream=s), want_len)
+    np.testing.assert_array_equal(
+        cache.dkey.to_host(stream=s).view(np.uint8), cache.key.view(np.uint8)
+    )
+    np.testing.assert_array_equal(
+        cache.dvalue.to_host(stream=s).view(np.uint8), cache.value.view(np.uint8)
+    )
+    return lengths
+
+
+def attend(
+    device: Device,
+    cache: Cache,
+    q: np.ndarray,
+    pos: np.ndarray,
+    lengths: Buffer,
+    *,
+    kv_heads: int,
+    split: bool,
+    scale: float = 0.0,
+) -> tuple[np.ndarray, np.ndarray, attention.AttentionPlan]:
+    batch, seq, heads, d = q.shape
+    plan = attention.attention_plan(
+        batch=batch,
+        seq=seq,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=d,
+        capacity=cache.capacity,
+        split=split,
+    )
+    workspace = poisoned(device, max(plan.workspace_elems, 1), F32) if split else None
+    out = poisoned(device, q.shape, q.dtype)
+    status = new_status(device, stream=device.default_stream)
+    attention.kv_attention(
+        device,
+        out,
+        upload(device, q),
+        upload(device, pos),
+        lengths,
+        cache.dkey,
+        cache.dvalue,
+        batch=batch,
+        seq=seq,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=d,
+        strides=cache.strides,
+        capacity=cache.capacity,
+        scale=scale,
+        block_table=cache.dtable,
+        table_cols=cache.table_cols,
+        workspace=workspace,
+        plan=plan,
+        status=status,
+        stream=device.default_stream,
+    )
+    check_faults(device, status, stream=device.default_stream)
+    host_len = lengths.to_host(stream=device.default_stream)
+    want = ref.kv_attention_from(
+        cache.key,
+        cache.value,
+        q,
+        pos,
+        host_len,
+        cache.geometry,
+        kv_heads=kv_heads,
+        scale=scale,
+        block_table=cache.table,
+    )
+    return out.to_host(stream=device.default_stream), want, plan
+
+
+def random_kv(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 4, 128)])
+def test_prefill_then_split_k_decode(
+    device: Device, layout: str, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """A left-padded batch of 3: prefill commit + attention, then decode steps with split-K."""
+    rng = np.random.default_rng(hash((layout, heads)) % 2**32)
+    dtype = F32
+    batch, seq, capacity = 3, 21, 64
+    cache = make_cache(
+        device,
+        layout,
+        batch=batch,
+        capacity=capacity,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        rng=rng,
+    )
+    lens = [seq, seq - 4, 9]
+    pos = left_padded(lens, seq)
+    kv_shape = (batch, seq, kv_heads, head_dim)
+    lengths = commit(
+        device, cache, random_kv(rng, kv_shape, dtype), random_kv(rng, kv_shape, dtype), pos
+    )
+    q = rng.standard_normal((batch, seq, heads, head_dim)).astype(dtype)
+    got, want, plan = attend(device, cache, q, pos, lengths, kv_heads=kv_heads, split=False)
+    assert plan.q_tile > 1 and plan.splits == 1
+    assert rel_err(got, want) <= TOL[dtype]
+    assert (got[2, : seq - 9] == 0).all()  # padding query rows are zeros
+    for step in range(3):
+        dpos = np.array([[n + step] for n in lens], dtype=np.int64)
+        one = (batch, 1, kv_heads, head_dim)
+        lengths = commit(
+            device, cache, random_kv(rng, one, dtype), random_kv(rng, one, dtype), dpos
+        )
+        dq = rng.standard_normal((batch, 1, heads, head_dim)).astype(dtype)
+        got, want, plan = attend(device, cache, dq, dpos, lengths, kv_heads=kv_heads, split=True)
+        assert plan.splits > 1, plan.reason
+        assert rel_err(got, want) <= TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float16), BF16], ids=str)
+@pytest.mark.parametrize("layout", ["seq_major", "paged"])
+def test_half_precision_decode_with_gqa_7(device: Device, dtype: np.dtype, layout: str) -> None:
+    rng = np.random.default_rng(77)
+    batch, kv_heads, heads, d, capacity = 3, 2, 14, 64, 96
+    cache = make_cache(
+        device,
+        layout,
+        batch=batch,
+        capacity=capacity,
+        kv_heads=kv_heads,
+        head_dim=d,
+        dtype=dtype,
+        rng=rng,
+    )
+    lens = [40, 17, 1]
+    seq = max(lens)
+    pos = left_padded(lens, seq)
+    shape = (batch, seq, kv_heads, d)
+    commit(device, cache, random_kv(rng, shape, dtype), random_kv(rng, shape, dtype), pos)
+    dpos = np.array([[n] for n in lens], dtype=np.int64)
+    one = (batch, 1, kv_heads, d)
+    lengths = commit(device, cache, random_kv(rng, one, dtype), random_kv(rng, one, dtype), dpos)
+    q = rng.standard_normal((batch, 1, heads, d)).astype(dtype)
+    for split in (False, True):
+        got, want, _ = attend(
+            device, cache, q, dpos, lengths, kv_heads=kv_heads, split=split, scale=0.1
+        )
+        assert rel_err(got, want) <= TOL[dtype]
+
+
+def test_query_and_new_kv_as_views_into_a_packed_projection(device: Device) -> None:
+    """q, k, v as strided views of one [B, S, (Hq + 2 Hkv) * D] buffer, as the model makes them."""
+    rng = np.random.default_rng(5)
+    batch, seq, hq, hk, d, capacity = 2, 6, 14, 2, 64, 32
+    width = (hq + 2 * hk) * d
+    qkv = rng.standard_normal((batch, seq, width)).astype(F32)
+    cache = make_cache(
+        device,
+        "seq_major",
+        batch=batch,
+        capacity=capacity,
+        kv_heads=hk,
+        head_dim=d,
+        dtype=F32,
+        rng=rng,
+    )
+    pos = left_padded([6, 3], seq)
+    buf = upload(device, qkv)
+    isz = F32.itemsize
+    qv, kv, vv = (buf.view(F32, offset=o * d * isz) for o in (0, hq, hq + hk))
+    lengths = poisoned(device, batch, np.dtype(np.int64))
+    status = new_status(device, stream=device.default_stream)
+    attention.kv_commit(
+        device,
+        cache.dkey,
+        cache.dvalue,
+        lengths,
+        kv,
+        vv,
+        upload(device, pos),
+        batch=batch,
+        seq=seq,
+        kv_heads=hk,
+        head_dim=d,
+        strides=cache.strides,
+        capacity=capacity,
+        src_token_stride=width,
+        status=status,
+        stream=device.default_stream,
+    )
+    k = qkv[..., hq * d : (hq + hk) * d].reshape(batch, seq, hk, d)
+    v = qkv[..., (hq + hk) * d :].reshape(batch, seq, hk, d)
+    q = qkv[..., : hq * d].reshape(batch, seq, hq, d)
+    host_len = ref.kv_commit_into(cache.key, cache.value, k, v, pos, cache.geometry)
+    out = poisoned(device, (batch, seq, hq, d), F32)
+    attention.kv_attention(
+        device,
+        out,
+        qv,
+        upload(device, pos),
+        lengths,
+        cache.dkey,
+        cache.dvalue,
+        batch=batch,
+        seq=seq,
+        heads=hq,
+        kv_heads=hk,
+        head_dim=d,
+        strides=cache.strides,
+        capacity=capacity,
+        query_token_stride=width,
+        status=status,
+        stream=device.default_stream,
+    )
+    check_faults(device, status, stream=device.default_stream)
+    want = ref.kv_attention_from(
+        cache.key, cache.value, q, pos, host_len, cache.geometry, kv_heads=hk, scale=0.0
+    )
+    assert rel_err(out.to_host(stream=device.default_stream), want) <= TOL[F32]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (7, 7, 128)])
+def test_long_context_decode(
+    device: Device, layout: str, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """Decode over a few thousand cached tokens (a few hundred on the CPU) with split-K."""
+    rng = np.random.default_rng(123)
+    context = 3000 if device.kind == "cuda" else 300
+    batch, capacity = 3, context + 64
+    cache = make_cache(
+        device,
+        layout,
+        batch=batch,
+        capacity=capacity,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=BF16,
+        rng=rng,
+        page=64,
+    )
+    lens = [context, context // 2 + 3, 5]
+    pos = left_padded(lens, context)
+    shape = (batch, context, kv_heads, head_dim)
+    lengths = commit(device, cache, random_kv(rng, shape, BF16), random_kv(rng, shape, BF16), pos)
+    last = np.array([[n - 1] for n in lens], dtype=np.int64)
+    q = (rng.standard_normal((batch, 1, heads, head_dim)) * 2).astype(BF16)
+    got, want, plan = attend(device, cache, q, last, lengths, kv_heads=kv_heads, split=True)
+    assert plan.splits > 1
+    assert rel_err(got, want) <= TOL[BF16]
+
+
+def test_split_k_plans_fill_the_gpu_and_stay_one_split_when_full() -> None:
+    decode = attention.attention_plan(
+        batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=32768
+    )
+    assert decode.splits >= 128 and decode.chunk % decode.kv_tile == 0
+    assert decode.splits * decode.chunk >= 32768 > (decode.splits - 1) * decode.chunk
+    assert decode.workspace_elems == 14 * decode.splits * 66
+    busy = attention.attention_plan(
+        batch=16, seq=512, heads=14, kv_heads=2, head_dim=64, capacity=4096
+    )
+    assert busy.splits == 1 and busy.workspace_elems == 0 and "fill the GPU" in busy.reason
+    off = attention.attention_plan(
+        batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=32768, split=False
+    )
+    assert off.splits == 1
+    bounded = attention.attention_plan(
+        batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=32768, max_context=100
+    )
+    assert bounded.splits * bounded.chunk < 200
+    with pytest.raises(KernelArgumentError, match="must divide"):
+        attention.attention_plan(batch=1, seq=1, heads=14, kv_heads=3, head_dim=64, capacity=8)
+
+
+def test_faults_are_flagged_and_nothing_is_written_out_of_place(device: Device) -> None:
+    rng = np.random.default_rng(9)
+    batch, hk, d, capacity = 2, 2, 64, 32
+    cache = make_cache(
+        device, "paged", batch=batch, capacity=capacity, kv_heads=hk, head_dim=d, dtype=F32, rng=rng
+    )
+    assert cache.table is not None and cache.dtable is not None
+    before = cache.dkey.to_host(stream=device.default_stream).view(np.uint8).copy()
+    k = random_kv(rng, (batch, 1, hk, d), F32)
+    status = new_status(device, stream=device.default_stream)
+    lengths = poisoned(device, batch, np.dtype(np.int64))
+
+    def run_commit(positions: np.ndarray, table: Buffer) -> None:
+        attention.kv_commit(
+            device,
+            cache.dkey,
+            cache.dvalue,
+            lengths,
+            upload(device, k),
+            upload(device, k),
+            upload(device, positions),
+            batch=batch,
+            seq=1,
+            kv_heads=hk,
+            head_dim=d,
+            strides=cache.strides,
+            capacity=capacity,
+            block_table=table,
+            table_cols=cache.table_cols,
+            status=status,
+            stream=device.default_stream,
+        )
+
+    run_commit(np.array([[capacity], [-1]], dtype=np.int64), cache.dtable)
+    with pytest.raises(KernelFaultError) as info:
+        check_faults(device, status, stream=device.default_stream)
+    assert info.value.faults == KernelFault.KV_POSITION
+    bad_table = cache.table.copy()
+    bad_table[0, 0] = -1
+    bad_table[1, 0] = 10**6  # a page far outside the cache
+    run_commit(np.array([[0], [1]], dtype=np.int64), upload(device, bad_table))
+    with pytest.raises(KernelFaultError) as info:
+        check_faults(device, status, stream=device.default_stream)
+    assert info.value.faults == KernelFault.KV_PAGE
+    after = cache.dkey.to_host(stream=device.default_stream).view(np.uint8)
+    np.testing.assert_array_equal(after, before)  # nothing written
+    np.testing.assert_array_equal(lengths.to_host(stream=device.default_stream), [1, 2])
+
+    # A query past its row's committed length: zeros and a fault, no read past the row.
+    pos = np.array([[0], [0]], dtype=np.int64)
+    commit(device, cache, k, k, pos)
+    out = poisoned(device, (batch, 1, 14, d), F32)
+    attention.kv_attention(
+        device,
+        out,
+        upload(device, rng.standard_normal((batch, 1, 14, d)).astype(F32)),
+        upload(device, np.array([[0], [5]], dtype=np.int64)),
+        upload(device, np.array([1, 1])),
+        cache.dkey,
+        cache.dvalue,
+        batch=batch,
+        seq=1,
+        heads=14,
+        kv_heads=hk,
+        head_dim=d,
+        strides=cache.strides,
+        capacity=capacity,
+        block_table=cache.dtable,
+        table_cols=cache.table_cols,
+        status=status,
+        stream=device.default_stream,
+    )
+    with pytest.raises(KernelFaultError, match="committed length"):
+        check_faults(device, status, stream=device.default_stream)
+    got = out.to_host(stream=device.default_stream)
+    assert (got[1] == 0).all() and np.isfinite(got[0]).all() and (got[0] != 0).any()
+
+
+def test_commit_and_attention_refuse_bad_arguments(device: Device) -> None:
+    rng = np.random.default_rng(1)
+    cache = make_cache(
+        device, "paged", batch=1, capacity=16, kv_heads=1, head_dim=8, dtype=F32, rng=rng
+    )
+    k = upload(device, np.zeros((1, 1, 1, 8), np.float32))
+    pos = upload(device, np.zeros((1, 1), np.int64))
+    lengths = poisoned(device, 1, np.dtype(np.int64))
+    status = new_status(device, stream=device.default_stream)
+    common = dict(
+        batch=1,
+        seq=1,
+        kv_heads=1,
+        head_dim=8,
+        strides=cache.strides,
+        capacity=16,
+        status=status,
+        stream=device.default_stream,
+    )
+    with pytest.raises(KernelArgumentError, match=r"paged .* pass the int32 block_table"):
+        attention.kv_commit(device, cache.dkey, cache.dvalue, lengths, k, k, pos, **common)
+    k16 = upload(device, np.zeros((1, 1, 1, 8), np.float16))
+    with pytest.raises(KernelArgumentError, match=r"new_key .* is float16"):
+        attention.kv_commit(
+            device,
+            cache.dkey,
+            cache.dvalue,
+            lengths,
+            k16,
+            k16,
+            pos,
+            block_table=cache.dtable,
+            table_cols=cache.table_cols,
+            **common,
+        )
+    out = poisoned(device, (1, 1, 2, 8), F32)
+    plan = attention.attention_plan(
+        batch=1, seq=1, heads=2, kv_heads=1, head_dim=8, capacity=4096, max_context=4096
+    )
+    assert plan.splits > 1
+    with pytest.raises(KernelArgumentError, match="workspace"):
+        attention.kv_attention(
+            device,
+            out,
+            upload(device, np.zeros((1, 1, 2, 8), np.float32)),
+            pos,
+            lengths,
+            cache.dkey,
+            cache.dvalue,
+            heads=2,
+            block_table=cache.dtable,
+            table_cols=cache.table_cols,
+            plan=plan,
+            **common,
+        )
+
+
+def test_a_plan_for_other_sizes_is_refused(device: Device) -> None:
+    rng = np.random.default_rng(2)
+    cache = make_cache(
+        device, "head_major", batch=2, capacity=16, kv_heads=2, head_dim=64, dtype=F32, rng=rng
+    )
+    plan = attention.attention_plan(batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=16)
+    out = poisoned(device, (2, 1, 14, 64), F32)
+    with pytest.raises(KernelArgumentError, match="made for other sizes"):
+        attention.kv_attention(
+            device,
+            out,
+            upload(device, np.zeros((2, 1, 14, 64), np.float32)),
+            upload(device, np.zeros((2, 1), np.int64)),
+            upload(device, np.ones(2, np.int64)),
+            cache.dkey,
+            cache.dvalue,
+            batch=2,
+            seq=1,
+            heads=14,
+            kv_heads=2,
+            head_dim=64,
+            strides=cache.strides,
+            capacity=16,
+            plan=plan,
+            status=new_status(device, stream=device.default_stream),
+            stream=device.default_stream,
+        )

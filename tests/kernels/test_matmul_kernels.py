@@ -1,0 +1,548 @@
+"""The matmul kernels (`ep.kernels.matmul`) against the NumPy references of `ep.ops.matmul`.
+
+Every test runs on the CPU device (the kernels' NumPy twins: the wrappers, the checks and the
+plans) and, marked ``cuda``, on the GPU. Inputs are seeded random, outputs poisoned with NaN first.
+Bounds: fp32 1e-5 (the same dequantized weights, only the summation order differs), fp16/bf16
+1e-2 (one rounding of the output; 4-bit/MXFP4 also round the dequantized weight to fp16/bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ep.device import Buffer, Device, KernelCache, compile_kernel
+from ep.errors import KernelArgumentError
+from ep.kernels.matmul import (
+    GEMV_MAX_ROWS,
+    MATMUL_KERNELS,
+    gemm,
+    gemm_mxfp4,
+    gemm_nbits,
+    matmul_workspace,
+    plan_matmul,
+)
+from ep.ops import DictWeights, use_weights
+from ep.ops.matmul import (
+    matmul_mxfp4,
+    matmul_nbits,
+    matmul_nbits_zp,
+    matmul_weight,
+    quantize_mxfp4,
+    quantize_nbits,
+)
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
+DTYPE_IDS = ["f32", "f16", "bf16"]
+ROWS = [1, 3, 16, 67]  # GEMV at 1, 3, 16; the tiled GEMM at 67
+
+Upload = Callable[..., Buffer]
+Poison = Callable[[Buffer], None]
+RelError = Callable[[np.ndarray, np.ndarray], float]
+
+
+def _tol(dtype: np.dtype) -> float:
+    return 1e-5 if dtype == np.float32 else 1e-2
+
+
+def _acts(rng: np.random.Generator, dtype: np.dtype, M: int, K: int) -> np.ndarray:
+    return rng.standard_normal((M, K)).astype(np.float32).astype(dtype)
+
+
+def _weights(rng: np.random.Generator, shape: tuple[int, int], K: int) -> np.ndarray:
+    return (rng.standard_normal(shape) / np.sqrt(K)).astype(np.float32)
+
+
+def _out(dev: Device, dtype: np.dtype, M: int, N: int, poison: Poison) -> Buffer:
+    out = dev.alloc((M, N), dtype, stream=dev.default_stream, name="y")
+    poison(out)
+    return out
+
+
+def _dense_ref(x: np.ndarray, w: np.ndarray, N: int, transpose_b: int) -> np.ndarray:
+    with use_weights(DictWeights({"w": w})):
+        return matmul_weight(x, weight="w", N=N, transpose_b=transpose_b)
+
+
+def _q4_case(
+    rng: np.random.Generator, dtype: np.dtype, N: int, K: int, block: int, zero_point: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    b, scales, zp = quantize_nbits(
+        _weights(rng, (N, K), K), block_size=block, zero_point=zero_point
+    )
+    return b, scales.astype(dtype), zp
+
+
+def _q4_ref(
+    x: np.ndarray, b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, N: int, K: int, bs: int
+) -> np.ndarray:
+    if zp is None:
+        return matmul_nbits(x, b, scales, K=K, N=N, bits=4, block_size=bs)
+    return matmul_nbits_zp(x, b, scales, zp, K=K, N=N, bits=4, block_size=bs)
+
+
+def _mx4_case(rng: np.random.Generator, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
+    # Block magnitudes spread over 2^-6 .. 2^3, all inside fp16's range once decoded.
+    spread = np.exp2(rng.integers(-6, 4, size=(N, K // 32, 1))).astype(np.float32)
+    w = (rng.standard_normal((N, K // 32, 32)).astype(np.float32) * spread).reshape(N, K)
+    return quantize_mxfp4(w)
+
+
+# --- compile: every kernel builds for the H200 without a GPU -----------------------------------
+
+
+def test_every_matmul_kernel_compiles_to_sm90_cubin(tmp_path: Path) -> None:
+    cache = KernelCache(tmp_path)
+    for name, source in MATMUL_KERNELS.items():
+        report = compile_kernel(source, "sm_90", cache=cache).report
+        assert report.cubin_bytes > 0, name
+    assert len(MATMUL_KERNELS) == 24  # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}
+
+
+# --- dense -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transpose_b", [1, 0], ids=["nk", "kn"])
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_dense_matches_matmul_weight(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+    M: int,
+    transpose_b: int,
+) -> None:
+    K, N = 93, 45  # odd: partial 16-byte chunks, element-wise edges
+    x = _acts(rng, dtype, M, K)
+    w = _weights(rng, (N, K) if transpose_b else (K, N), K).astype(dtype)
+    out = _out(device, dtype, M, N, poison)
+    plan = gemm(
+        device,
+        out,
+        upload(device, x),
+        upload(device, w),
+        M=M,
+        N=N,
+        K=K,
+        transpose_b=transpose_b,
+        stream=device.default_stream,
+    )
+    assert plan.kind == ("gemv" if M <= GEMV_MAX_ROWS else "gemm")
+    got = out.to_host(stream=device.default_stream)
+    assert rel_error(got, _dense_ref(x, w, N, transpose_b)) < _tol(dtype)
+
+
+@pytest.mark.parametrize("transpose_b", [1, 0], ids=["nk", "kn"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 896, 4864), (16, 4864, 896), (67, 200, 136)])
+def test_dense_model_shapes_with_workspace(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    M: int,
+    N: int,
+    K: int,
+    dtype: np.dtype,
+    transpose_b: int,
+) -> None:
+    s = device.default_stream
+    ws = matmul_workspace(device, stream=s, floats=1 << 20, counters=1 << 12)
+    x = _acts(rng, dtype, M, K)
+    w = _weights(rng, (N, K) if transpose_b else (K, N), K).astype(dtype)
+    xb, wb = upload(device, x), upload(device, w)
+    want = _dense_ref(x, w, N, transpose_b)
+    for _ in range(2):  # the second launch needs the counters the first one reset
+        out = _out(device, dtype, M, N, poison)
+        plan = gemm(
+            device, out, xb, wb, M=M, N=N, K=K, transpose_b=transpose_b, stream=s, workspace=ws
+        )
+        assert rel_error(out.to_host(stream=s), want) < _tol(dtype)
+    if M <= GEMV_MAX_ROWS and K > N:
+        assert plan.gy > 1  # this shape does split over blocks: the workspace path is tested
+    assert not ws.counters.to_host(stream=s).any()
+
+
+# --- MatMulNBits ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zero_point", [False, True], ids=["zp8", "zp"])
+@pytest.mark.parametrize("block", [16, 32, 128])
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_nbits_matches_matmul_nbits(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+    M: int,
+    block: int,
+    zero_point: bool,
+) -> None:
+    K, N = 100, 37  # K not a multiple of the block: padded blocks; block 16: a half chunk
+    x = _acts(rng, dtype, M, K)
+    b, scales, zp = _q4_case(rng, dtype, N, K, block, zero_point)
+    out = _out(device, dtype, M, N, poison)
+    gemm_nbits(
+        device,
+        out,
+        upload(device, x),
+        upload(device, b),
+        upload(device, scales),
+        upload(device, zp) if zp is not None else None,
+        M=M,
+        N=N,
+        K=K,
+        block_size=block,
+        stream=device.default_stream,
+    )
+    got = out.to_host(stream=device.default_stream)
+    assert rel_error(got, _q4_ref(x, b, scales, zp, N, K, block)) < _tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize(("M", "N", "K"), [(1, 4864, 896), (4, 896, 4864), (33, 300, 896)])
+def test_nbits_model_shapes_with_workspace(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    M: int,
+    N: int,
+    K: int,
+    dtype: np.dtype,
+) -> None:
+    s = device.default_stream
+    ws = matmul_workspace(device, stream=s, floats=1 << 20, counters=1 << 12)
+    x = _acts(rng, dtype, M, K)
+    b, scales, zp = _q4_case(rng, dtype, N, K, 32, True)
+    out = _out(device, dtype, M, N, poison)
+    gemm_nbits(
+        device,
+        out,
+        upload(device, x),
+        upload(device, b),
+        upload(device, scales),
+        upload(device, zp),
+        M=M,
+        N=N,
+        K=K,
+        block_size=32,
+        stream=s,
+        workspace=ws,
+    )
+    assert rel_error(out.to_host(stream=s), _q4_ref(x, b, scales, zp, N, K, 32)) < _tol(dtype)
+
+
+# --- MXFP4 ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("M", ROWS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_mxfp4_matches_matmul_mxfp4(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+    M: int,
+) -> None:
+    K, N = 96, 37  # 3 MX blocks a row: the last step has lanes with no block
+    x = _acts(rng, dtype, M, K)
+    b, scales = _mx4_case(rng, N, K)
+    out = _out(device, dtype, M, N, poison)
+    gemm_mxfp4(
+        device,
+        out,
+        upload(device, x),
+        upload(device, b),
+        upload(device, scales),
+        M=M,
+        N=N,
+        K=K,
+        stream=device.default_stream,
+    )
+    want = matmul_mxfp4(x, b, scales, K=K, N=N)
+    assert rel_error(out.to_host(stream=device.default_stream), want) < _tol(dtype)
+
+
+@pytest.mark.parametrize("M", [16, 40])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_mxfp4_every_code_and_the_nan_scale(
+    device: Device, upload: Upload, poison: Poison, dtype: np.dtype, M: int
+) -> None:
+    """Row m picks weight column m: all 16 E2M1 codes come out exactly; scale 255 is NaN."""
+    N, K = 3, 64
+    codes = np.tile(np.arange(16, dtype=np.uint8), (N, K // 16))  # W[n, k] has code k % 16
+    b = (codes[:, 0::2] | (codes[:, 1::2] << 4)).reshape(N, K // 32, 16)
+    scales = np.array([[127, 130], [120, 127], [255, 127]], dtype=np.uint8)
+    x = np.eye(M, K, dtype=np.float32).astype(dtype)
+    out = _out(device, dtype, M, N, poison)
+    gemm_mxfp4(
+        device,
+        out,
+        upload(device, x),
+        upload(device, b),
+        upload(device, scales),
+        M=M,
+        N=N,
+        K=K,
+        stream=device.default_stream,
+    )
+    got = out.to_host(stream=device.default_stream).astype(np.float32)
+    want = matmul_mxfp4(x, b, scales, K=K, N=N).astype(np.float32)
+    np.testing.assert_array_equal(got, want)  # NaN where want is NaN, exact elsewhere
+    e2m1 = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+    decoded = np.concatenate([e2m1, -e2m1])[np.arange(M) % 16]
+    block_scale = np.where(np.arange(M) < 32, 1.0, 8.0)
+    np.testing.assert_array_equal(got[:, 0], decoded * block_scale)
+    assert np.isnan(got[: min(M, 32), 2]).all()
+
+
+# --- alignment fallbacks, aliasing of rows, capture -----------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("M", [2, 20])
+def test_unaligned_views_take_the_elementwise_path(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+    M: int,
+) -> None:
+    """x and W one element past an aligned address (and q4 bytes one byte past): same results."""
+    s = device.default_stream
+    K, N, block = 128, 24, 32
+    x = _acts(rng, dtype, M, K)
+    w = _weights(rng, (N, K), K).astype(dtype)
+    xs = upload(device, np.concatenate([np.zeros(1, dtype), x.reshape(-1)]))
+    ws = upload(device, np.concatenate([np.zeros(1, dtype), w.reshape(-1)]))
+    xv = xs.view(dtype, (M, K), offset=dtype.itemsize)
+    wv = ws.view(dtype, (N, K), offset=dtype.itemsize)
+    out = _out(device, dtype, M, N, poison)
+    gemm(device, out, xv, wv, M=M, N=N, K=K, transpose_b=1, stream=s)
+    assert rel_error(out.to_host(stream=s), _dense_ref(x, w, N, 1)) < _tol(dtype)
+    b, scales, zp = _q4_case(rng, dtype, N, K, block, True)
+    bs = upload(device, np.concatenate([np.zeros(1, np.uint8), b.reshape(-1)]))
+    out = _out(device, dtype, M, N, poison)
+    gemm_nbits(
+        device,
+        out,
+        xv,
+        bs.view(np.uint8, b.size, offset=1),
+        upload(device, scales),
+        upload(device, zp),
+        M=M,
+        N=N,
+        K=K,
+        block_size=block,
+        stream=s,
+    )
+    assert rel_error(out.to_host(stream=s), _q4_ref(x, b, scales, zp, N, K, block)) < _tol(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["nk", "kn", "q4", "mx4"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
+def test_a_row_is_bitwise_the_same_at_every_batch_size(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    dtype: np.dtype,
+    fmt: str,
+) -> None:
+    """Rows of a batch-16 GEMV equal the same rows run alone (the K split ignores M)."""
+    s = device.default_stream
+    ws = matmul_workspace(device, stream=s, floats=1 << 18, counters=1 << 10)
+    K, N = 1024, 72
+    x = _acts(rng, dtype, GEMV_MAX_ROWS, K)
+    w = _weights(rng, (N, K), K)
+    if fmt in ("nk", "kn"):
+        weights = [upload(device, (w if fmt == "nk" else w.T).astype(dtype))]
+    elif fmt == "q4":
+        b, scales, zp = _q4_case(rng, dtype, N, K, 64, True)
+        weights = [upload(device, b), upload(device, scales), upload(device, zp)]
+    else:
+        weights = [upload(device, a) for a in quantize_mxfp4(w)]
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        M = rows.shape[0]
+        out = _out(device, dtype, M, N, poison)
+        xb = upload(device, rows)
+        if fmt in ("nk", "kn"):
+            gemm(
+                device,
+                out,
+                xb,
+                weights[0],
+                M=M,
+                N=N,
+                K=K,
+                transpose_b=int(fmt == "nk"),
+                stream=s,
+                workspace=ws,
+            )
+        elif fmt == "q4":
+            gemm_nbits(
+                device, out, xb, *weights, M=M, N=N, K=K, block_size=64, stream=s, workspace=ws
+            )
+        else:
+            gemm_mxfp4(device, out, xb, *weights, M=M, N=N, K=K, stream=s, workspace=ws)
+        return out.to_host(stream=s)
+
+    batch = run(x)
+    for i in (0, 5, 15):
+        np.testing.assert_array_equal(run(x[i : i + 1]), batch[i : i + 1])
+    np.testing.assert_array_equal(run(x[3:6]), batch[3:6])
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
+def test_a_captured_gemv_replays_with_new_inputs(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+) -> None:
+    """Split over blocks inside a graph: every replay sees zeroed counters and is right."""
+    s = device.default_stream
+    M, N, K = 2, 64, 2048
+    ws = matmul_workspace(device, stream=s, floats=1 << 18, counters=1 << 10)
+    w = _weights(rng, (N, K), K).astype(dtype)
+    wb = upload(device, w)
+    xb = device.alloc((M, K), dtype, stream=s, name="x")
+    out = _out(device, dtype, M, N, poison)
+    device.compile_all()
+    with device.capture(stream=s) as cap:
+        plan = gemm(device, out, xb, wb, M=M, N=N, K=K, transpose_b=1, stream=s, workspace=ws)
+    assert plan.gy > 1
+    for _ in range(3):
+        x = _acts(rng, dtype, M, K)
+        xb.copy_from_host(x, stream=s)
+        poison(out)
+        cap.graph.launch(stream=s)
+        assert rel_error(out.to_host(stream=s), _dense_ref(x, w, N, 1)) < _tol(dtype)
+
+
+# --- plans ---------------------------------------------------------------------------------------
+
+
+def test_plan_picks_gemv_up_to_16_rows_and_never_looks_at_m_otherwise(cpu_device: Device) -> None:
+    ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
+    for fmt in ("nk", "kn", "q4", "mx4"):
+        plans = [plan_matmul(fmt, BF16, M=m, N=896, K=4864, workspace=ws) for m in range(1, 17)]
+        geometry = {(p.kernel, p.kind, p.grid, p.block, p.kw, p.gy) for p in plans}
+        assert len(geometry) == 1, geometry
+        (kernel, kind, _, block, kw, gy) = geometry.pop()
+        assert (kernel, kind, block) == (f"ep_gemv_{fmt}_bf16", "gemv", 256)
+        assert kw in (1, 2, 4, 8)
+        assert gy > 1  # a long K over few columns splits over blocks when it may
+        big = plan_matmul(fmt, BF16, M=17, N=896, K=4864, workspace=ws)
+        assert big.kind == "gemm" and big.kernel == f"ep_gemm_{fmt}_bf16"
+        assert big.grid == (14, 1, 1) and big.block == 128
+    lone = plan_matmul("nk", BF16, M=1, N=896, K=4864)
+    assert lone.gy == 1 and "no workspace" in lone.reason
+    assert plan_matmul("nk", np.dtype(np.float32), M=100, N=10, K=10).block == 256
+    wide = plan_matmul("nk", BF16, M=1, N=151936, K=896, workspace=ws)
+    assert (wide.kw, wide.gy) == (1, 1) and wide.grid == (151936 // 64, 1, 1)  # 8 groups a block
+    with pytest.raises(KernelArgumentError, match="dtype int8 has no kernel"):
+        plan_matmul("nk", np.dtype(np.int8), M=1, N=8, K=8)
+
+
+# --- argument checks (each one guards a kernel from reading or writing out of bounds) -------------
+
+
+def test_bad_arguments_are_refused_with_a_sentence(cpu_device: Device) -> None:
+    dev, s = cpu_device, cpu_device.default_stream
+    f32, u8 = np.float32, np.uint8
+    x = dev.alloc((2, 64), f32, stream=s, name="x")
+    w = dev.alloc((8, 64), f32, stream=s, name="w")
+    out = dev.alloc((2, 8), f32, stream=s, name="y")
+    dev.fill(x, 1.0, stream=s)
+    dev.fill(w, 0.5, stream=s)
+
+    def dense(out: Buffer = out, x: Buffer = x, w: Buffer = w, **sizes: object) -> None:
+        args: dict[str, object] = {"M": 2, "N": 8, "K": 64, "transpose_b": 1, **sizes}
+        gemm(dev, out, x, w, stream=s, **args)  # type: ignore[arg-type]
+
+    dense()  # the baseline is fine
+    before = out.to_host(stream=s)
+    np.testing.assert_array_equal(before, np.full((2, 8), 32.0))
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"out": dev.alloc((2, 8), np.float16, stream=s)}, "float16; expected float32"),
+        ({"w": dev.alloc((7, 64), f32, stream=s, name="small")}, "holds 448 elements"),
+        ({"x": dev.alloc((2, 64), np.int32, stream=s)}, "float32, float16 or bfloat16"),
+        ({"M": 0}, r"M=0 must be an integer in \[1, 2\^31\)"),
+        ({"K": True}, "K=True"),
+        ({"transpose_b": 2}, "transpose_b=2 must be 0 or 1"),
+        ({"out": x.view(f32, 16)}, "overlaps x"),
+        ({"workspace": object()}, "workspace must be a MatmulWorkspace"),
+    ]
+    for change, message in cases:
+        with pytest.raises(KernelArgumentError, match=message):
+            dense(**change)  # type: ignore[arg-type]
+
+    b = dev.alloc(8 * 2 * 16, u8, stream=s, name="b")
+    sc = dev.alloc(16, f32, stream=s, name="scales")
+    with pytest.raises(KernelArgumentError, match="block_size=24 must be a power of two"):
+        gemm_nbits(dev, out, x, b, sc, M=2, N=8, K=64, block_size=24, stream=s)
+    with pytest.raises(KernelArgumentError, match="bits=8"):
+        gemm_nbits(dev, out, x, b, sc, M=2, N=8, K=64, block_size=32, stream=s, bits=8)
+    with pytest.raises(KernelArgumentError, match=r"zero_points .* holds 3 elements"):
+        gemm_nbits(
+            dev,
+            out,
+            x,
+            b,
+            sc,
+            dev.alloc(3, u8, stream=s, name="zero_points"),
+            M=2,
+            N=8,
+            K=64,
+            block_size=32,
+            stream=s,
+        )
+    with pytest.raises(KernelArgumentError, match="scales 'scales' is float32; expected float16"):
+        gemm_nbits(
+            dev,
+            dev.alloc((2, 8), np.float16, stream=s),
+            x.view(np.float16, (2, 64)),
+            b,
+            sc,
+            M=2,
+            N=8,
+            K=64,
+            block_size=32,
+            stream=s,
+        )
+    with pytest.raises(KernelArgumentError, match="K=48 must be a multiple of 32"):
+        gemm_mxfp4(dev, out, x, b, b, M=2, N=8, K=48, stream=s)
+    with pytest.raises(KernelArgumentError, match="scales 'b' is uint8; expected"):
+        gemm_nbits(dev, out, x, b, b, M=2, N=8, K=64, block_size=32, stream=s)
+    # A refused call launched nothing: the output still holds the baseline's result.
+    np.testing.assert_array_equal(out.to_host(stream=s), before)
+
+
+def test_workspace_starts_with_zero_counters(device: Device) -> None:
+    ws = matmul_workspace(device, stream=device.default_stream, floats=64, counters=32)
+    assert ws.floats == 64 and ws.slots == 32
+    assert not ws.counters.to_host(stream=device.default_stream).any()
+    with pytest.raises(KernelArgumentError, match="must be positive"):
+        matmul_workspace(device, stream=device.default_stream, floats=0)

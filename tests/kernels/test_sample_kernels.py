@@ -1,0 +1,275 @@
+"""Sampling kernels: greedy argmax and seeded temperature/top-k/top-p/min-p sampling with the
+reference's own random numbers; ids must equal `ep.ops.sample.sample`'s."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ep.device import Buffer, Device
+from ep.errors import KernelArgumentError, KernelFaultError
+from ep.kernels import KernelFault, check_faults, new_status, sample
+from ep.ops import sample as ref
+from ep.sampling import SamplingParams
+from ep.sampling import sample as sample_reference
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SETTINGS = [
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=50),
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=1.3, min_p=0.05),
+    dict(temperature=0.6, top_k=40, top_p=0.95, min_p=0.02),
+    dict(temperature=2.0, top_k=1),
+    dict(temperature=1.0, top_p=0.3),
+]
+
+
+def upload(device: Device, array: np.ndarray) -> Buffer:
+    return device.to_device(np.ascontiguousarray(array), stream=device.default_stream)
+
+
+def poisoned_ids(device: Device, batch: int) -> Buffer:
+    buf = device.alloc(batch, np.int64, stream=device.default_stream)
+    device.fill(buf, -7, stream=device.default_stream)
+    return buf
+
+
+def logits_like_a_model(rng: np.random.Generator, batch: int, vocab: int) -> np.ndarray:
+    """Peaked rows (a few tokens far above the rest) with ties and ±0, as float32."""
+    x = rng.standard_normal((batch, vocab)).astype(np.float32) * 2
+    for b in range(batch):
+        hot = rng.choice(vocab, 5, replace=False)
+        x[b, hot] += rng.uniform(4, 9, 5).astype(np.float32)
+    x[0, 3] = x[0, 10] = x[0].max() + 1  # a tie at the top: the lower index wins greedy
+    x[1, :4] = [0.0, -0.0, 0.0, -0.0]
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16, np.dtype(np.float16)], ids=str)
+@pytest.mark.parametrize("vocab", [32003, 151936])
+def test_greedy_is_numpy_argmax(device: Device, dtype: np.dtype, vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    batch = 4
+    values = logits_like_a_model(rng, batch, vocab).astype(dtype)
+    values[2, 77] = values[2, 5] = np.nan  # NumPy's argmax picks the first NaN
+    ids = poisoned_ids(device, batch)
+    status = new_status(device, stream=device.default_stream)
+    sample.sample(
+        device,
+        ids,
+        upload(device, values),
+        None,
+        None,
+        batch=batch,
+        vocab=vocab,
+        temperature=0.0,
+        status=status,
+        stream=device.default_stream,
+    )
+    want = np.argmax(values.astype(np.float32), axis=-1)
+    np.testing.assert_array_equal(ids.to_host(stream=device.default_stream), want)
+    assert want[0] == 3 and want[2] == 5
+
+
+def test_argmax_of_strided_rows(device: Device) -> None:
+    """Logits of the last token of each row: rows ``seq * vocab`` apart in [B, S, V]."""
+    rng = np.random.default_rng(3)
+    batch, seq, vocab = 3, 4, 1001
+    all_logits = rng.standard_normal((batch, seq, vocab)).astype(np.float32)
+    last = upload(device, all_logits).view(np.float32, offset=(seq - 1) * vocab * 4)
+    ids = poisoned_ids(device, batch)
+    sample.argmax(
+        device,
+        ids,
+        last,
+        batch=batch,
+        vocab=vocab,
+        row_stride=seq * vocab,
+        stream=device.default_stream,
+    )
+    want = np.argmax(all_logits[:, -1], axis=-1)
+    np.testing.assert_array_equal(ids.to_host(stream=device.default_stream), want)
+
+
+@pytest.mark.parametrize(
+    "settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())
+)
+def test_sampling_matches_the_reference_ids(device: Device, settings: dict) -> None:
+    rng = np.random.default_rng(17)
+    batch, vocab = 48, 5003
+    values = logits_like_a_model(rng, batch, vocab)
+    keys = np.stack([np.full(batch, 1234), np.arange(batch)], axis=1).astype(np.int64)
+    steps = rng.integers(0, 50, batch).astype(np.int64)
+    ids = poisoned_ids(device, batch)
+    status = new_status(device, stream=device.default_stream)
+    sample.sample(
+        device,
+        ids,
+        upload(device, values),
+        upload(device, keys),
+        upload(device, steps),
+        batch=batch,
+        vocab=vocab,
+        status=status,
+        stream=device.default_stream,
+        **settings,
+    )
+    want = ref.sample(
+        values,
+        keys,
+        steps,
+        temperature=settings["temperature"],
+        top_k=settings.get("top_k", 0),
+        top_p=settings.get("top_p", 1.0),
+        min_p=settings.get("min_p", 0.0),
+    )
+    np.testing.assert_array_equal(ids.to_host(stream=device.default_stream), want)
+    check_faults(device, status, stream=device.default_stream)
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)], ids=str)
+def test_sampling_half_precision_logits_at_full_vocab(device: Device, dtype: np.dtype) -> None:
+    rng = np.random.default_rng(21)
+    batch, vocab = 3, 151936
+    values = logits_like_a_model(rng, batch, vocab).astype(dtype)
+    keys = np.array([[7, 0], [7, 1], [2**40 + 5, 2]], dtype=np.int64)  # a two-word seed too
+    steps = np.array([0, 3, 1000], dtype=np.int64)
+    ids = poisoned_ids(device, batch)
+    status = new_status(device, stream=device.default_stream)
+    sample.sample(
+        device,
+        ids,
+        upload(device, values),
+        upload(device, keys),
+        upload(device, steps),
+        batch=batch,
+        vocab=vocab,
+        temperature=0.9,
+        top_k=100,
+        top_p=0.9,
+        status=status,
+        stream=device.default_stream,
+    )
+    want = ref.sample(
+        values.astype(np.float32), keys, steps, temperature=0.9, top_k=100, top_p=0.9, min_p=0.0
+    )
+    np.testing.assert_array_equal(ids.to_host(stream=device.default_stream), want)
+
+
+def test_advancing_steps_draws_the_next_numbers(device: Device) -> None:
+    """With advance_steps the kernel bumps each row's step: a replayed call samples afresh."""
+    rng = np.random.default_rng(4)
+    batch, vocab = 6, 257
+    values = np.zeros((batch, vocab), np.float32)  # uniform: the id is the random number itself
+    keys = np.stack([np.full(batch, 99), np.arange(batch)], axis=1).astype(np.int64)
+    steps0 = rng.integers(0, 10, batch).astype(np.int64)
+    dsteps = upload(device, steps0)
+    dvalues, dkeys = upload(device, values), upload(device, keys)
+    status = new_status(device, stream=device.default_stream)
+    seen = []
+    for call in range(3):
+        ids = poisoned_ids(device, batch)
+        sample.sample(
+            device,
+            ids,
+            dvalues,
+            dkeys,
+            dsteps,
+            batch=batch,
+            vocab=vocab,
+            temperature=1.0,
+            advance_steps=True,
+            status=status,
+            stream=device.default_stream,
+        )
+        want = ref.sample(
+            values, keys, steps0 + call, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0
+        )
+        got = ids.to_host(stream=device.default_stream)
+        np.testing.assert_array_equal(got, want)
+        seen.append(got)
+    np.testing.assert_array_equal(dsteps.to_host(stream=device.default_stream), steps0 + 3)
+    assert not np.array_equal(seen[0], seen[1])
+
+
+def test_bad_rows_fall_back_to_argmax_with_a_fault(device: Device) -> None:
+    batch, vocab = 4, 64
+    values = np.linspace(-1, 1, batch * vocab, dtype=np.float32).reshape(batch, vocab)
+    values[0, 9] = np.nan
+    values[1, :] = -np.inf
+    values[2, 5] = np.inf
+    keys = np.array([[1], [1], [1], [-3]], dtype=np.int64)
+    ids = poisoned_ids(device, batch)
+    status = new_status(device, stream=device.default_stream)
+    sample.sample(
+        device,
+        ids,
+        upload(device, values),
+        upload(device, keys),
+        upload(device, np.zeros(batch, np.int64)),
+        batch=batch,
+        vocab=vocab,
+        temperature=1.0,
+        status=status,
+        stream=device.default_stream,
+    )
+    np.testing.assert_array_equal(ids.to_host(stream=device.default_stream), [9, 0, 5, vocab - 1])
+    with pytest.raises(KernelFaultError) as info:
+        check_faults(device, status, stream=device.default_stream)
+    assert info.value.faults == KernelFault.SAMPLE_LOGITS | KernelFault.SAMPLE_KEY
+
+
+def test_sample_refuses_bad_settings(device: Device) -> None:
+    values = upload(device, np.zeros((2, 8), np.float32))
+    ids = poisoned_ids(device, 2)
+    status = new_status(device, stream=device.default_stream)
+    keys, steps = upload(device, np.zeros((2, 1), np.int64)), upload(device, np.zeros(2, np.int64))
+    common = dict(batch=2, vocab=8, status=status, stream=device.default_stream)
+    with pytest.raises(KernelArgumentError, match="top_p"):
+        sample.sample(device, ids, values, keys, steps, temperature=1.0, top_p=0.0, **common)
+    with pytest.raises(KernelArgumentError, match="needs rng_keys and steps"):
+        sample.sample(device, ids, values, None, None, temperature=1.0, **common)
+    with pytest.raises(KernelArgumentError, match=r"ids .* is int32"):
+        sample.sample(
+            device,
+            upload(device, np.zeros(2, np.int32)),
+            values,
+            keys,
+            steps,
+            temperature=0.0,
+            **common,
+        )
+    assert (ids.to_host(stream=device.default_stream) == -7).all()
+
+
+# --- the device arithmetic, in NumPy, against the float64 reference -----------------------------
+
+
+@pytest.mark.parametrize(
+    "settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())
+)
+def test_fixed_point_twin_picks_the_reference_ids(settings: dict) -> None:
+    """The kernel's integer-weight arithmetic (`sample_fixed_point`) and `ep.sampling.sample`
+    agree on every row, with the very uniforms the reference draws."""
+    rng = np.random.default_rng(99)
+    batch, vocab = 200, 3001
+    values = logits_like_a_model(rng, batch, vocab)
+    values[5, :] = values[5, 0]  # a row of ties
+    rngs = [ref.rng_at([42, row], 0) for row in range(batch)]
+    uniforms = np.array([ref.rng_at([42, row], 0).random() for row in range(batch)])
+    params = SamplingParams(**settings)
+    want = sample_reference(values, params, rngs)
+    got = sample.sample_fixed_point(values, uniforms, **settings)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fixed_point_twin_is_sensitive_to_the_uniform() -> None:
+    """A negative oracle: shifting the uniforms changes ids, so the agreement above is not luck."""
+    rng = np.random.default_rng(5)
+    values = rng.standard_normal((50, 100)).astype(np.float32)
+    uniforms = rng.random(50)
+    base = sample.sample_fixed_point(values, uniforms, temperature=1.0)
+    moved = sample.sample_fixed_point(values, (uniforms + 0.5) % 1.0, temperature=1.0)
+    assert (base != moved).sum() > 25

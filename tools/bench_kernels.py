@@ -1,0 +1,554 @@
+"""Decode kernels on a GPU as fractions of the device's copy bandwidth, measured in the same run.
+
+For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x4864, 4864x896, 896x151936;
+bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points) and MXFP4;
+M = 1, 4, 16) and for decode attention (contexts 512, 2k, 8k, 32k; 14 query heads, 2 KV heads,
+head_dim 64, head-major cache), it reports the bytes a launch must move (weights with their scales,
+activations in, results out; for attention the K and V read) divided by the launch time, and that
+figure divided by the device-to-device copy bandwidth (bytes read + written per second) measured
+first. The weights rotate through a pool of copies several times the L2 cache, so each launch reads
+them from HBM, as a decode step does.
+
+Timing: every launch is captured once into a CUDA graph of R launches over the pool; each of
+``--reps`` replays gets fresh random activations and a NaN-poisoned output (outside the timed
+span), and is timed with CUDA events. Reported: the median per launch, and min and max over the
+replays. Every format is also checked once against the NumPy reference (`ep.ops.matmul`).
+
+When torch is importable, cuBLAS's bf16 matmul (torch.matmul, a captured torch graph) on the same
+shapes is measured as a reference line. Nothing here needs torch.
+
+    python tools/bench_kernels.py                 # writes $OUT/bench_kernels.json (or ./bench-out)
+    python tools/bench_kernels.py --out results --reps 50 --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing
+    sys.path.insert(0, str(ROOT))
+
+from ep.device import KERNELS, Buffer, Device, get_device, probe_cuda  # noqa: E402
+from ep.device._kernels import nvrtc_version  # noqa: E402
+from ep.kernels import matmul as mm  # noqa: E402
+from ep.ops import matmul as ref  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+SHAPES = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936)]  # (K, N)
+LARGE = {(896, 4864), (4864, 896), (896, 151936)}
+ROWS = [1, 4, 16]
+FORMATS = ["bf16-nk", "bf16-kn", "q4", "mxfp4"]
+CONTEXTS = [512, 2048, 8192, 32768]
+HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-launch milliseconds over the replays."""
+
+    median_ms: float
+    min_ms: float
+    max_ms: float
+    replays: int
+    launches_per_replay: int
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the results."""
+
+    kind: str  # gemv | attention | torch
+    fmt: str
+    K: int
+    N: int
+    M: int
+    bytes: int
+    timing: Timing | None
+    gbps: float
+    ratio: float  # achieved bytes/s over the copy bandwidth
+    kernel: str
+    note: str = ""
+
+
+# --- machine ---------------------------------------------------------------------------------
+
+
+def _version(module: str) -> str:
+    try:
+        import importlib.metadata as md
+
+        return md.version(module)
+    except Exception:
+        return "absent"
+
+
+def machine_info(dev: Device) -> dict[str, Any]:
+    probe = probe_cuda()
+    info: dict[str, Any] = {
+        "gpu": getattr(dev, "gpu_name", dev.name),
+        "arch": dev.arch,
+        "driver_cuda": f"{probe.driver_version // 1000}.{probe.driver_version % 1000 // 10}",
+        "cuda-core": _version("cuda-core"),
+        "cuda-bindings": _version("cuda-bindings"),
+        "nvrtc": nvrtc_version(),
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+    }
+    core: Any = getattr(dev, "_core", None)
+    for key, prop in (("sms", "multiprocessor_count"), ("l2_bytes", "l2_cache_size")):
+        try:
+            info[key] = int(getattr(core.properties, prop))
+        except Exception:
+            info[key] = None
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,name,clocks.max.sm,clocks.max.mem",
+             "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        )  # fmt: skip
+        info["nvidia-smi"] = smi.stdout.strip() or smi.stderr.strip()
+    except Exception as exc:
+        info["nvidia-smi"] = f"not run: {exc}"
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+    except Exception:
+        info["torch"] = "absent"
+    return info
+
+
+# --- timing ----------------------------------------------------------------------------------
+
+
+def time_graph(
+    dev: Device,
+    record: Callable[[], int],
+    prepare: Callable[[], None],
+    reps: int,
+    warmup: int = 3,
+) -> Timing:
+    """Capture ``record`` (which queues R launches and returns R) once; time ``reps`` replays."""
+    s = dev.default_stream
+    with dev.capture(stream=s) as cap:
+        launches = record()
+    graph = cap.graph
+    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
+    samples: list[float] = []
+    for i in range(warmup + reps):
+        prepare()
+        s.record(start)
+        graph.launch(stream=s)
+        s.record(end)
+        ms = end.elapsed_ms(start)
+        if i >= warmup:
+            samples.append(ms / launches)
+    graph.close()
+    return Timing(statistics.median(samples), min(samples), max(samples), reps, launches)
+
+
+def copy_bandwidth(dev: Device, nbytes: int, reps: int) -> dict[str, float]:
+    """Device-to-device copy: bytes read + written per second (median over ``reps`` copies)."""
+    s = dev.default_stream
+    src = dev.alloc(nbytes, np.uint8, stream=s, name="copy-src")
+    dst = dev.alloc(nbytes, np.uint8, stream=s, name="copy-dst")
+    dev.fill(src.view(np.uint32), 0x3F803F80, stream=s)
+    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
+    samples = []
+    for i in range(reps + 3):
+        s.record(start)
+        dev.copy(dst, src, stream=s)
+        s.record(end)
+        if i >= 3:
+            samples.append(end.elapsed_ms(start))
+    med = statistics.median(samples)
+    src.free()
+    dst.free()
+    return {
+        "bytes": nbytes,
+        "median_ms": med,
+        "min_ms": min(samples),
+        "max_ms": max(samples),
+        "bytes_per_s": 2 * nbytes / (med * 1e-3),
+    }
+
+
+# --- GEMV cases ------------------------------------------------------------------------------
+
+
+def _bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(BF16)
+
+
+def _weights(fmt: str, rng: np.random.Generator, K: int, N: int) -> dict[str, np.ndarray]:
+    """Random weights of one format (random bytes for the packed formats: all codes occur)."""
+    if fmt == "bf16-nk":
+        return {"w": _bf16(rng, (N, K), K**-0.5)}
+    if fmt == "bf16-kn":
+        return {"w": _bf16(rng, (K, N), K**-0.5)}
+    if fmt == "q4":
+        kb = -(-K // 32)
+        return {
+            "b": rng.integers(0, 256, (N, kb, 16), dtype=np.uint8),
+            "scales": (rng.uniform(0.5, 1.5, N * kb).astype(np.float32) * (0.1 / 8)).astype(BF16),
+            "zp": rng.integers(0, 256, N * ((kb + 1) // 2), dtype=np.uint8),
+        }
+    return {
+        "b": rng.integers(0, 256, (N, K // 32, 16), dtype=np.uint8),
+        "scales": rng.integers(118, 124, (N, K // 32), dtype=np.uint8),
+    }
+
+
+def _reference(fmt: str, x: np.ndarray, w: dict[str, np.ndarray], K: int, N: int) -> np.ndarray:
+    if fmt in ("bf16-nk", "bf16-kn"):
+        wt = w["w"].astype(np.float32)
+        return np.matmul(x.astype(np.float32), wt.T if fmt == "bf16-nk" else wt).astype(BF16)
+    if fmt == "q4":
+        return ref.matmul_nbits_zp(x, w["b"], w["scales"], w["zp"], K=K, N=N, bits=4, block_size=32)
+    return ref.matmul_mxfp4(x, w["b"], w["scales"], K=K, N=N)
+
+
+def _launch(
+    fmt: str,
+    dev: Device,
+    out: Buffer,
+    x: Buffer,
+    w: dict[str, Buffer],
+    M: int,
+    K: int,
+    N: int,
+    ws: mm.MatmulWorkspace,
+) -> mm.MatmulPlan:
+    s = dev.default_stream
+    if fmt in ("bf16-nk", "bf16-kn"):
+        tb = int(fmt == "bf16-nk")
+        return mm.gemm(dev, out, x, w["w"], M=M, N=N, K=K, transpose_b=tb, stream=s, workspace=ws)
+    if fmt == "q4":
+        return mm.gemm_nbits(
+            dev, out, x, w["b"], w["scales"], w["zp"], M=M, N=N, K=K, block_size=32, stream=s,
+            workspace=ws,
+        )  # fmt: skip
+    return mm.gemm_mxfp4(dev, out, x, w["b"], w["scales"], M=M, N=N, K=K, stream=s, workspace=ws)
+
+
+def bench_gemv(
+    dev: Device,
+    fmt: str,
+    K: int,
+    N: int,
+    rows: list[int],
+    copy_bps: float,
+    pool_bytes: int,
+    reps: int,
+    rng: np.random.Generator,
+    ws: mm.MatmulWorkspace,
+) -> list[Row]:
+    s = dev.default_stream
+    host = _weights(fmt, rng, K, N)
+    wbytes = sum(a.nbytes for a in host.values())
+    copies = max(1, min(64, -(-pool_bytes // wbytes)))
+    first = {k: dev.to_device(v, stream=s, name=f"{fmt}.{k}.0") for k, v in host.items()}
+    pool = [first]
+    for c in range(1, copies):
+        pool.append({})
+        for k, b in first.items():
+            pool[-1][k] = dev.alloc(b.shape, b.dtype, stream=s, name=f"{fmt}.{k}.{c}")
+            dev.copy(pool[-1][k], b, stream=s)
+    launches = max(copies, 8)
+    out_rows: list[Row] = []
+    for M in rows:
+        x = dev.alloc((M, K), BF16, stream=s, name="x")
+        out = dev.alloc((M, N), BF16, stream=s, name="y")
+        note = ""
+        if N * K <= 5_000_000:  # a reference check (the NumPy reference of the big ones is slow)
+            xh = _bf16(rng, (M, K))
+            x.copy_from_host(xh, stream=s)
+            dev.fill(out, float("nan"), stream=s)
+            _launch(fmt, dev, out, x, first, M, K, N, ws)
+            got = out.to_host(stream=s).astype(np.float64)
+            want = _reference(fmt, xh, host, K, N).astype(np.float64)
+            err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+            note = f"rel err {err:.1e}" + ("" if err < 1e-2 else " FAILED")
+        plan_box: list[mm.MatmulPlan] = []
+
+        def record(
+            x: Buffer = x, out: Buffer = out, M: int = M, plans: list[mm.MatmulPlan] = plan_box
+        ) -> int:
+            for i in range(launches):
+                plans.append(_launch(fmt, dev, out, x, pool[i % copies], M, K, N, ws))
+            return launches
+
+        def prepare(x: Buffer = x, out: Buffer = out, M: int = M) -> None:
+            x.copy_from_host(_bf16(rng, (M, K)), stream=s)
+            dev.fill(out, float("nan"), stream=s)
+
+        timing = time_graph(dev, record, prepare, reps)
+        if not np.isfinite(out.to_host(stream=s).astype(np.float32)).all():
+            note += " NaN in the output"
+        moved = wbytes + 2 * M * K + 2 * M * N
+        gbps = moved / (timing.median_ms * 1e-3)
+        plan = plan_box[0]
+        geometry = f"{plan.kernel} grid={plan.grid} kw={plan.kw} gy={plan.gy}"
+        if copies * wbytes < pool_bytes:
+            note += f" pool {copies * wbytes / 1e6:.0f} MB (L2-resident in part)"
+        out_rows.append(
+            Row("gemv", fmt, K, N, M, moved, timing, gbps, gbps / copy_bps, geometry, note.strip())
+        )
+        print(f"  {fmt:8s} K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
+              f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}  {note}", flush=True)  # fmt: skip
+    for weights in pool:
+        for b in weights.values():
+            b.free()
+    return out_rows
+
+
+# --- attention ---------------------------------------------------------------------------------
+
+
+def bench_attention(
+    dev: Device, copy_bps: float, pool_bytes: int, reps: int, rng: np.random.Generator
+) -> list[Row]:
+    try:
+        from ep.kernels import attention as att
+        from ep.kernels import new_status
+        from ep.seams import KVStrides
+    except Exception as exc:  # the attention kernels are another module; the GEMVs still count
+        print(f"  attention skipped: ep.kernels.attention is not importable ({exc})")
+        return [
+            Row("attention", "absent", 0, 0, 1, 0, None, 0.0, 0.0, "", f"not importable: {exc}")
+        ]
+    s = dev.default_stream
+    rows: list[Row] = []
+    status = new_status(dev, stream=s)
+    for ctx in CONTEXTS:
+        try:
+            cache_elems = KV_HEADS * ctx * HEAD_DIM  # batch 1, head-major [1, Hkv, C, D]
+            kv_bytes = 2 * cache_elems * 2
+            copies = max(1, min(64, -(-pool_bytes // kv_bytes)))
+            strides = KVStrides(
+                batch=cache_elems, token=HEAD_DIM, head=ctx * HEAD_DIM, dim=1, page=0, page_size=0
+            )
+            caches = []
+            for c in range(copies):
+                k = dev.to_device(_bf16(rng, (cache_elems,)), stream=s, name=f"k{c}")
+                v = dev.to_device(_bf16(rng, (cache_elems,)), stream=s, name=f"v{c}")
+                caches.append((k, v))
+            q = dev.alloc((1, 1, HEADS, HEAD_DIM), BF16, stream=s, name="q")
+            out = dev.alloc((1, 1, HEADS, HEAD_DIM), BF16, stream=s, name="attn-out")
+            positions = dev.to_device(np.array([[ctx - 1]], np.int64), stream=s, name="pos")
+            lengths = dev.to_device(np.array([ctx], np.int64), stream=s, name="len")
+            plan = att.attention_plan(
+                batch=1, seq=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, capacity=ctx
+            )
+            ws = dev.alloc(max(plan.workspace_elems, 1), np.float32, stream=s, name="attn-ws")
+            launches = max(copies, 8)
+
+            def record(
+                q: Buffer = q, out: Buffer = out, positions: Buffer = positions,
+                lengths: Buffer = lengths, caches: list[Any] = caches, ws: Buffer = ws,
+                strides: Any = strides, ctx: int = ctx, plan: Any = plan, copies: int = copies,
+                launches: int = launches,
+            ) -> int:  # fmt: skip
+                for i in range(launches):
+                    k, v = caches[i % copies]
+                    att.kv_attention(
+                        dev, out, q, positions, lengths, k, v, batch=1, seq=1, heads=HEADS,
+                        kv_heads=KV_HEADS, head_dim=HEAD_DIM, strides=strides, capacity=ctx,
+                        workspace=ws, plan=plan, status=status, stream=s,
+                    )  # fmt: skip
+                return launches
+
+            def prepare(q: Buffer = q, out: Buffer = out) -> None:
+                q.copy_from_host(_bf16(rng, (1, 1, HEADS, HEAD_DIM)), stream=s)
+                dev.fill(out, float("nan"), stream=s)
+
+            timing = time_graph(dev, record, prepare, reps)
+            finite = np.isfinite(out.to_host(stream=s).astype(np.float32)).all()
+            moved = kv_bytes + 2 * 2 * HEADS * HEAD_DIM
+            gbps = moved / (timing.median_ms * 1e-3)
+            note = f"splits={plan.splits} kv_tile={plan.kv_tile}" + (
+                "" if finite else " NaN in the output"
+            )
+            if copies * kv_bytes < pool_bytes:
+                note += f" pool {copies * kv_bytes / 1e6:.0f} MB (L2-resident in part)"
+            rows.append(
+                Row("attention", "bf16", ctx, HEADS, 1, moved, timing, gbps, gbps / copy_bps,
+                    "kv_attention_bf16", note)
+            )  # fmt: skip
+            print(
+                f"  attention ctx={ctx:6d}  {timing.median_ms * 1e3:8.2f} us  "
+                f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}  {note}",
+                flush=True,
+            )
+            for k, v in caches:
+                k.free()
+                v.free()
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(Row("attention", "bf16", ctx, HEADS, 1, 0, None, 0.0, 0.0, "", repr(exc)))
+    return rows
+
+
+# --- torch / cuBLAS reference --------------------------------------------------------------------
+
+
+def bench_torch(
+    copy_bps: float, pool_bytes: int, reps: int, shapes: list[tuple[int, int]], rows: list[int]
+) -> list[Row]:
+    try:
+        import torch
+    except Exception as exc:
+        print(f"  torch reference skipped: {exc}")
+        return []
+    out: list[Row] = []
+    for K, N in shapes:
+        wbytes = 2 * N * K
+        copies = max(1, min(64, -(-pool_bytes // wbytes)))
+        weights = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        launches = max(copies, 8)
+        for M in rows:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for w in weights[:2]:  # warm-up outside the capture (cuBLAS workspaces)
+                    torch.matmul(x, w.t(), out=y)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for i in range(launches):
+                    torch.matmul(x, weights[i % copies].t(), out=y)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            samples = []
+            for i in range(reps + 3):
+                x.copy_(torch.randn(M, K, device="cuda", dtype=torch.bfloat16))
+                y.fill_(float("nan"))
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                if i >= 3:
+                    samples.append(start.elapsed_time(end) / launches)
+            timing = Timing(statistics.median(samples), min(samples), max(samples), reps, launches)
+            moved = wbytes + 2 * M * K + 2 * M * N
+            gbps = moved / (timing.median_ms * 1e-3)
+            out.append(
+                Row("torch", "bf16-nk", K, N, M, moved, timing, gbps, gbps / copy_bps,
+                    "torch.matmul (cuBLAS)")
+            )  # fmt: skip
+            print(f"  torch    K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
+                  f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}", flush=True)  # fmt: skip
+            del graph
+        del weights
+        torch.cuda.empty_cache()
+    return out
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def table(rows: list[Row], copy: dict[str, float]) -> str:
+    lines = [
+        f"device copy: {copy['bytes_per_s'] / 1e12:.2f} TB/s (read + written; "
+        f"{copy['bytes'] / 2**20:.0f} MiB, median of the copies)",
+        f"{'kind':9s} {'format':8s} {'K':>6s} {'N':>7s} {'M':>3s} {'us':>9s} {'min..max us':>17s} "
+        f"{'GB/s':>7s} {'ratio':>6s}",
+    ]
+    for r in rows:
+        if r.timing is None:
+            lines.append(f"{r.kind:9s} {r.fmt:8s} {r.K:6d} {r.N:7d} {r.M:3d}  -- {r.note}")
+            continue
+        t = r.timing
+        large = "*" if (r.K, r.N) in LARGE and r.kind != "attention" else " "
+        lines.append(
+            f"{r.kind:9s} {r.fmt:8s} {r.K:6d} {r.N:7d} {r.M:3d} {t.median_ms * 1e3:9.2f} "
+            f"{t.min_ms * 1e3:8.2f}..{t.max_ms * 1e3:<8.2f} {r.gbps / 1e9:7.1f} {r.ratio:6.2f}"
+            f"{large}"
+        )
+    lines.append("ratio = (bytes moved / median launch time) / copy bandwidth; * = target >= 0.8")
+    lines.append("attention rows: K = context, N = query heads")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT") or "bench-out")
+    parser.add_argument("--reps", type=int, default=30, help="timed graph replays per case")
+    parser.add_argument("--pool-mib", type=int, default=256, help="weight pool per case (> L2)")
+    parser.add_argument("--copy-mib", type=int, default=1024)
+    parser.add_argument("--quick", action="store_true", help="M=1 only, no torch")
+    parser.add_argument("--formats", default=",".join(FORMATS))
+    parser.add_argument("--no-attention", action="store_true")
+    parser.add_argument("--no-torch", action="store_true")
+    parser.add_argument("--shapes", default="", help="KxN,KxN,... instead of the model's")
+    parser.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run")
+    args = parser.parse_args(argv)
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [(int(k), int(n)) for k, n in (p.split("x") for p in args.shapes.split(","))]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = get_device(args.device)
+    info = machine_info(dev)
+    print("machine:", json.dumps(info, indent=1), flush=True)
+    t0 = time.perf_counter()
+    needed = [n for n in KERNELS.names() if n.startswith(("ep_gemv_", "ep_gemm_", "kv_attention"))]
+    for name in needed:  # before any capture
+        dev.kernel(name).load()
+    print(f"compiled/loaded {len(needed)} kernels in {time.perf_counter() - t0:.1f} s", flush=True)
+    rng = np.random.default_rng(int(time.time()))
+    copy = copy_bandwidth(dev, args.copy_mib << 20, reps=20)
+    copy_bps = copy["bytes_per_s"]
+    print(f"copy: {copy_bps / 1e12:.3f} TB/s", flush=True)
+    pool = args.pool_mib << 20
+    rows_m = [1] if args.quick else ROWS
+    ws = mm.matmul_workspace(dev, stream=dev.default_stream)
+    results: list[Row] = []
+    for fmt in [f for f in args.formats.split(",") if f]:
+        for K, N in shapes:
+            try:
+                results += bench_gemv(dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws)
+            except Exception as exc:
+                traceback.print_exc()
+                results.append(Row("gemv", fmt, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))
+    if not args.no_attention:
+        results += bench_attention(dev, copy_bps, pool, args.reps, rng)
+    if not (args.no_torch or args.quick or dev.kind != "cuda"):
+        try:
+            results += bench_torch(copy_bps, pool, args.reps, shapes, rows_m)
+        except Exception as exc:
+            traceback.print_exc()
+            results.append(Row("torch", "bf16-nk", 0, 0, 0, 0, None, 0.0, 0.0, "", repr(exc)))
+    payload = {
+        "machine": info,
+        "copy": copy,
+        "settings": vars(args),
+        "rows": [asdict(r) for r in results],
+    }
+    path = out_dir / "bench_kernels.json"
+    path.write_text(json.dumps(payload, indent=1))
+    print(f"\nfull results: {path}\n")
+    print(table(results, copy))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
