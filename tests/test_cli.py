@@ -70,6 +70,20 @@ def test_errors_are_one_message_without_traceback(capsys, argv, message) -> None
     assert "Traceback" not in err
 
 
+def test_kernels_without_a_gpu_asks_for_an_architecture(capsys) -> None:
+    from ep.device import cuda_available
+
+    if cuda_available()[0]:
+        pytest.skip("this machine has a GPU: its own architecture is used")
+    code, _, err = run_cli(capsys, "kernels")
+    assert code == 2 and "pass --arch sm_90" in err
+
+
+def test_kernels_rejects_ptx_style_architectures(capsys) -> None:
+    code, _, err = run_cli(capsys, "kernels", "--arch", "compute_90")
+    assert code == 2 and "sm_" in err
+
+
 def test_console_script_runs(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("genai-ep")
     proc = subprocess.run(
