@@ -791,7 +791,7 @@ def _inspect_runtime_kv(
         raise ModelError(
             f"{where} keeps its KV cache in the runtime (KVCommit/KVAttention) but has inputs "
             f"this runtime cannot feed: {', '.join(unknown)}; it feeds input_ids, positions, "
-            "kv_cache and kv_geometry (paged KV ops with a block table are not driven yet)"
+            "kv_cache and kv_geometry (and, for a paged layout, the block table it adds itself)"
         )
     for value, want in ((pos, "[batch, seq]"), (handle, "[1]"), (geometry, "[7]")):
         if value.dtype != "int64":

@@ -2,7 +2,8 @@
 
 Definitions, references and node helpers import without ONNX Runtime; the ONNX Runtime bridge
 (`register_session_options`, `run`, ...) is loaded on first use, so the native executor and the
-rewriter never pay for it.
+rewriter never pay for it. Sessions run the ops' NumPy references unless `use_device` (or
+`set_device`) picks another kernel set, such as the CUDA kernels of `ep.ops.cuda`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ from ep.ops.matmul import (
     dequantize_nbits,
     quantize_mxfp4,
     quantize_nbits,
+)
+from ep.ops.placement import (
+    OpPlacement,
+    current_placement,
+    placement_for,
+    set_device,
+    set_placement,
+    use_device,
+    use_placement,
 )
 from ep.ops.rotary import rope_cache
 from ep.ops.runtime import (
@@ -71,11 +81,13 @@ __all__ = [
     "KVCacheTable",
     "KVLayerBuffers",
     "OpDef",
+    "OpPlacement",
     "OpSchema",
     "TensorSpec",
     "WeightResolver",
     "check_model",
     "core_op",
+    "current_placement",
     "decode_e2m1",
     "decode_e8m0",
     "dequantize_mxfp4",
@@ -90,6 +102,7 @@ __all__ = [
     "op_types",
     "opset_imports",
     "parse_kv_geometry",
+    "placement_for",
     "quantize_mxfp4",
     "quantize_nbits",
     "raise_op_errors",
@@ -98,8 +111,12 @@ __all__ = [
     "rope_cache",
     "run",
     "run_with_iobinding",
+    "set_device",
+    "set_placement",
     "set_weight_resolver",
     "take_op_errors",
+    "use_device",
+    "use_placement",
     "use_weights",
 ]
 

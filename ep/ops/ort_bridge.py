@@ -13,6 +13,9 @@ shape or dtype, and defining an op after a session exists can crash. This module
 - re-raises a stored error as an `OpError` naming the op and the node from `run` /
   `run_with_iobinding`, or from `raise_op_errors` after a plain ``session.run``.
 
+Which kernel a node runs is read per call from `ep.ops.placement`: each op's ``"cpu"`` kernel
+(its NumPy reference) by default, its ``"cuda"`` kernel under ``ep.ops.use_device("cuda")``.
+
 Your own session::
 
     so = onnxruntime.SessionOptions()
@@ -30,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import traceback
+import warnings
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +44,7 @@ import onnxruntime as ort
 import onnxruntime_extensions as ortx
 
 from ep.errors import ContractError, OpError
+from ep.ops.placement import ACTIVE as _PLACEMENT
 from ep.ops.schema import (
     CARRIERS,
     DOMAIN,
@@ -405,7 +410,9 @@ def _invoke(obj_id: int, feed: Sequence[np.ndarray], attrs: Mapping[str, str]) -
             if len(_STATE.infer_cache) > _CACHE_LIMIT:
                 _STATE.infer_cache.clear()
             _STATE.infer_cache[shape_key] = expected
-        result = definition.kernel(*arrays, **values)
+        # The placement switch (ep.ops.placement): the CPU path is this one comparison.
+        kernel = definition.kernel if _PLACEMENT.kernels == "cpu" else _placed(definition)
+        result = kernel(*arrays, **values)
         outs = result if type(result) is tuple else (result,)
         if not _fits(outs, expected.fast):
             # The slow path: contiguity fixes, or an OpError that explains the mismatch.
@@ -422,6 +429,33 @@ def _invoke(obj_id: int, feed: Sequence[np.ndarray], attrs: Mapping[str, str]) -
     except BaseException as exc:  # anything that reaches C++ aborts the process: keep it here
         _record(definition, node, exc)
         return _harmless(definition, expected.infos if expected is not None else None)
+
+
+def _placed(definition: _Definition) -> Kernel:
+    """The op's kernel of the placement's kernel set; its reference when it has none and the
+    placement allows the fallback; else an OpError saying what to do."""
+    key = _PLACEMENT.kernels
+    op = definition.op
+    found = op.kernels.get(key)
+    if found is not None:
+        return found
+    if _PLACEMENT.fallback:
+        if (op.name, key) not in _PLACEMENT.warned:
+            _PLACEMENT.warned.add((op.name, key))
+            warnings.warn(
+                f"op {DOMAIN}::{op.name} from {definition.author} has no {key!r} kernel; ONNX "
+                "Runtime sessions run its NumPy reference instead (fallback=True)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return definition.kernel
+    have = ", ".join(sorted({"cpu", *op.kernels}))
+    raise OpError(
+        f"no {key!r} kernel (it has: {have}), but ONNX Runtime sessions run "
+        f"{_PLACEMENT.placement.describe()} (ep.ops.use_device / set_device, or decode.device). "
+        f"Add one with OpDef.with_kernel({key!r}, fn) in {definition.author}, run on 'cpu', or "
+        "let such ops run their reference: ep.ops.use_device(..., fallback=True)"
+    )
 
 
 @dataclass(frozen=True)

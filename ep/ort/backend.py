@@ -21,11 +21,29 @@ rewritten in place; only a growth (rare) rebinds.
 
 * **runtime KV** (``ep`` graphs, `_RuntimeKVSteps`): the graph has no past/present. Its KVCommit /
   KVAttention ops reach the layout's buffers through a `ep.ops.KV_CACHES` handle (input
-  ``kv_cache``) and read the layout's strides and capacity from ``kv_geometry``, so any contiguous
-  layout works. ``positions`` gives each token's cache slot; padding is negative, so a batch is
+  ``kv_cache``) and read the layout's strides and capacity from ``kv_geometry``, so every layout
+  works. ``positions`` gives each token's cache slot; padding is negative, so a batch is
   **left-padded** and each row's tokens still occupy slots 0..n-1. Growth goes through the layout,
-  then the handle is rebound and the geometry rewritten. Named-weight MatMuls resolve through a
-  resolver over the model's initializers, installed for the duration of each run.
+  then the handle is rebound and the geometry rewritten. For a **paged** layout the session is
+  built from the graph with its KV ops swapped for KVCommitPaged / KVAttentionPaged
+  (`paged_graph`), which read the pool's block table from one more input, `PAGED_TABLE_INPUT`;
+  the model file stays layout-neutral. Named-weight MatMuls resolve through a resolver over the
+  model's initializers, installed for the duration of each run.
+
+Which KV layouts run on which graphs (the policy, and why):
+
+* ``ep`` graphs: every layout, natively (the ops read the layout's strides and block table).
+* ``contrib`` (GroupQueryAttention) graphs: dense ``head_major`` only. GQA reads and writes its
+  past/present itself, head-major; honouring another layout "at the boundary" would mean keeping
+  the head-major cache GQA actually uses plus a second copy in the chosen layout that nothing
+  reads — twice the memory and a transposing copy per step, while the layout's strides and
+  growth would never be exercised. Any other layout is refused with the command that turns the
+  model into an ep graph (`ep_graph_hint`: ``genai-ep rewrite MODEL -o OUT``, or the ep flavour
+  for a checkpoint or spec), which runs that layout for real.
+* ``standard`` (concatenating) graphs: any contiguous layout, converted at the boundary: such a
+  graph needs head-major staging tensors anyway (present is a new tensor every step), so each
+  step commits its one new token into the layout's buffer, which stays the authoritative cache.
+  Paged layouts are refused with the same hint (the commit writes through a strided view).
 
 Every graph with this project's ops gets them registered into its session options, and after each
 run an op's stored error is raised (`ep.ops.raise_op_errors`): otherwise a failing op's outputs are
@@ -35,6 +53,9 @@ zeros and the run "succeeds" with logits that are finite, plausible and wrong.
 from __future__ import annotations
 
 import contextlib
+import re
+import shlex
+import tempfile
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,7 +77,16 @@ from ep.ort.session import SessionConfig, SessionOptionsHook, create_session
 from ep.runtime.kv import KVCache
 from ep.seams import KVGeometry, KVLayout
 
-__all__ = ["OrtBackend", "load_named_weights"]
+__all__ = [
+    "PAGED_TABLE_INPUT",
+    "OrtBackend",
+    "ep_graph_hint",
+    "gqa_can_bind",
+    "is_dense_head_major",
+    "layout_page_size",
+    "load_named_weights",
+    "paged_graph",
+]
 
 
 class OrtBackend:
@@ -81,11 +111,15 @@ class OrtBackend:
                 "bfloat16 ONNX Runtime accepts; use an fp32/fp16 model or the native backend"
             )
         self.model = model
+        self.page_size = layout_page_size(layout, model)
         if model.flavour == "ep":
             session_options_hook = _with_ops(session_options_hook)
-        self.session = create_session(
-            model.onnx_path, session, session_options_hook=session_options_hook
-        )
+        if model.io.runtime_kv and self.page_size:
+            self.session = _paged_session(model, session, session_options_hook)
+        else:
+            self.session = create_session(
+                model.onnx_path, session, session_options_hook=session_options_hook
+            )
         self._kv = KVCache(
             layout,
             num_layers=model.num_layers,
@@ -146,6 +180,16 @@ class OrtBackend:
             return self._ep.lens.copy()
         return self._lens.copy() if self.model.share_buffer else np.full(self._batch, self._total)
 
+    def end_sequences(self, rows: Sequence[int]) -> None:
+        """Tell the backend that rows' sequences are over (at EOS, say).
+
+        An ep graph stops computing them (they run as padding: not written, not attended) and a
+        paged cache takes their pages back into its pool. Other graphs keep computing them:
+        their cache is one dense block either way.
+        """
+        if self._ep is not None:
+            self._ep.end(rows)
+
     def close(self) -> None:
         """Release what outlives a step (the KV cache handle of an ep graph); idempotent."""
         if self._ep is not None:
@@ -186,15 +230,13 @@ class OrtBackend:
 
     def _check_bindable(self, g: KVGeometry) -> None:
         """Shared graphs read the layout's buffer directly: it must be head-major and dense."""
-        s = g.strides
-        dense = (g.kv_heads * g.capacity * g.head_dim, g.head_dim, g.capacity * g.head_dim, 1)
-        want = (g.batch, g.kv_heads, g.capacity, g.head_dim)
-        if g.shape != want or (s.batch, s.token, s.head, s.dim) != dense or s.page_size:
+        if not is_dense_head_major(g):
+            want = (g.batch, g.kv_heads, g.capacity, g.head_dim)
             raise ConfigError(
-                f"KV layout {g.layout!r} gives shape {g.shape} with strides {s}; the ort backend "
-                f"binds a GroupQueryAttention graph's past/present to the cache itself, which "
-                f"must be head-major [batch, kv_heads, capacity, head_dim] = {want}. Use the "
-                "head_major layout with the ort backend, or the native backend"
+                f"KV layout {g.layout!r} gives shape {g.shape} with strides {g.strides}; the ort "
+                f"backend binds a GroupQueryAttention graph's past/present to the cache itself, "
+                f"which must be head-major [batch, kv_heads, capacity, head_dim] = {want}. Use the "
+                f"head_major layout with this model, or {ep_graph_hint(self.model, g.layout)}"
             )
 
     # --- prefill -------------------------------------------------------------------------------
@@ -221,8 +263,10 @@ class OrtBackend:
             self._check_bindable(g)
         elif g.strides.page_size:
             raise ConfigError(
-                f"KV layout {g.layout!r} is paged; the ort backend needs a contiguous layout "
-                "(use head_major, or the native backend)"
+                f"KV layout {g.layout!r} is paged (page_size {g.strides.page_size}); a standard "
+                "graph's past/present are dense head-major tensors, committed into a contiguous "
+                f"layout only. Use a contiguous layout with this model, or "
+                f"{ep_graph_hint(self.model, g.layout)}"
             )
 
         ids = np.full((batch, width), model.pad_token_id, dtype=self._ids_dtype)
@@ -517,10 +561,20 @@ def _release_handle(handle: int) -> None:
 class _RuntimeKVSteps:
     """Prefill and decode of an ep graph: the cache is the runtime's, reached by handle.
 
-    Per step: the token and position buffers (bound once) are rewritten and the session runs
-    (with the backend's weight resolver, raising op errors: `_with_op_state`). A growth asks the
-    layout for the next bucket, rebinds the handle to the new buffers and rewrites the geometry
-    input in place (it is bound by address).
+    Per step the cache makes room for the step's tokens (`KVCache.prepare`: a growth through the
+    layout when the capacity is reached; for a paged pool, the pages the tokens land in, with
+    copy-on-write of a shared page), the token and position buffers (bound once) are rewritten
+    and the session runs (with the backend's weight resolver, raising op errors:
+    `_with_op_state`). When the cache replaced anything that is bound (a new `KVCache.epoch`),
+    the handle is rebound, the geometry input rewritten in place (it is bound by address) and
+    the block table rebound.
+
+    Paged layouts: the backend loaded the graph with its KV ops swapped for the paged ones
+    (`paged_graph`), which read the pool's block table from the graph input
+    `PAGED_TABLE_INPUT`. Rows that repeat an earlier row's prompt are not prefilled: they fork
+    that row's pages (shared, copied only when one of them writes a shared page). `end` gives a
+    finished row's pages back; the row then runs as padding (position -1: not written, not
+    attended).
     """
 
     def __init__(self, backend: OrtBackend) -> None:
@@ -528,13 +582,17 @@ class _RuntimeKVSteps:
         self.backend = backend
         self.model = model
         self.io = model.io
+        self.paged = backend.page_size > 0
         self.handle = 0
         self._finalizer: weakref.finalize | None = None
         self.handle_input = np.zeros(1, dtype=np.int64)
         self.geometry = np.zeros(7, dtype=np.int64)
         self.capacity = 0
+        self.epoch = -1  # the cache epoch the bindings reflect
         self.binding: Any = None
         self.lens = np.zeros(0, dtype=np.int64)
+        self.ended = np.zeros(0, dtype=np.bool_)
+        self.any_ended = False
         self.tok = np.zeros((0, 1), dtype=np.dtype(model.io.input_ids_dtype))
         self.pos = np.zeros((0, 1), dtype=np.int64)
         self.logits = np.zeros((0, 1, model.vocab_size), dtype=np.dtype(model.io.logits_dtype))
@@ -547,13 +605,11 @@ class _RuntimeKVSteps:
         kv = self.backend._kv
         return list(zip(kv.keys, kv.values, strict=True))
 
-    def _bind_cache(self, g: KVGeometry) -> None:
-        if g.strides.page_size:
-            raise ConfigError(
-                f"KV layout {g.layout!r} is paged (page_size {g.strides.page_size}); this ep "
-                "graph's KVCommit/KVAttention address a contiguous cache. Use a contiguous "
-                "layout (head_major, seq_major) with it"
-            )
+    def _bind_cache(self, binding: Any) -> None:
+        """Point the handle, the geometry input and (paged) the block table at the cache."""
+        kv = self.backend._kv
+        g = kv.geometry
+        assert g is not None
         from ep.ops.kv import kv_geometry
 
         if self.handle:
@@ -565,6 +621,10 @@ class _RuntimeKVSteps:
         self.handle_input[0] = self.handle
         self.geometry[:] = kv_geometry(g)
         self.capacity = g.capacity
+        if binding is not None and self.paged:
+            assert kv.block_table is not None
+            self._bind(binding, PAGED_TABLE_INPUT, kv.block_table)
+        self.epoch = kv.epoch
 
     def release(self) -> None:
         if self._finalizer is not None:
@@ -603,16 +663,25 @@ class _RuntimeKVSteps:
         kv = self.backend._kv
         self.binding = None
         kv.allocate(batch, width + 1, reserve=reserve)
-        g = kv.geometry
-        assert g is not None
-        self._bind_cache(g)
+
+        # A paged pool shares a repeated prompt: only its first row is prefilled.
+        rows = np.arange(batch)
+        source = rows.copy()
+        if self.paged:
+            first: dict[bytes, int] = {}
+            for b, p in enumerate(prompts):
+                source[b] = first.setdefault(np.asarray(p, dtype=np.int64).tobytes(), b)
+        run = np.flatnonzero(source == rows)
+        kv.prepare(np.zeros(batch, np.int64), np.where(source == rows, lens, 0))
+        self._bind_cache(None)
 
         # Left padding: row b's tokens sit at the end, at positions 0..n-1 (cache slots 0..n-1);
         # pads get -1, which the ops neither write nor attend.
-        pads = width - lens
-        ids = np.full((batch, width), model.pad_token_id, dtype=self.tok.dtype)
-        for b, p in enumerate(prompts):
-            ids[b, pads[b] :] = p
+        run_lens = lens[run]
+        pads = width - run_lens
+        ids = np.full((run.size, width), model.pad_token_id, dtype=self.tok.dtype)
+        for i, row in enumerate(run):
+            ids[i, pads[i] :] = prompts[int(row)]
         positions = np.arange(width, dtype=np.int64)[None, :] - pads[:, None]
         positions[positions < 0] = -1
 
@@ -623,12 +692,21 @@ class _RuntimeKVSteps:
         io.bind_cpu_input(io_names.positions, positions)
         self._bind(io, io_names.kv_cache, self.handle_input)
         self._bind(io, io_names.kv_geometry, self.geometry)
+        if self.paged:
+            assert kv.block_table is not None
+            io.bind_cpu_input(PAGED_TABLE_INPUT, np.ascontiguousarray(kv.block_table[run]))
         self._run(io, "prefill")
-        # A copy now: rebinding the logits output below releases ORT's buffer.
-        last = np.array(io.get_outputs()[0].numpy()[:, -1], dtype=np.float32)
+        # A copy now: rebinding the logits output below releases ORT's buffer. Row b gets the
+        # logits of the row it repeats.
+        last_run = np.array(io.get_outputs()[0].numpy()[:, -1], dtype=np.float32)
+        last = last_run[np.searchsorted(run, source)] if run.size < batch else last_run
+        for row in np.flatnonzero(source != rows):
+            kv.fork(int(source[row]), int(row))
 
         # Decode state: small buffers bound once, rewritten in place every step.
         self.lens = lens.copy()
+        self.ended = np.zeros(batch, dtype=np.bool_)
+        self.any_ended = False
         self.tok = np.zeros((batch, 1), dtype=self.tok.dtype)
         self.pos = np.zeros((batch, 1), dtype=np.int64)
         self.logits = np.empty((batch, 1, model.vocab_size), dtype=self.logits.dtype)
@@ -643,22 +721,165 @@ class _RuntimeKVSteps:
             io_names.logits, "cpu", 0, self.logits.dtype, list(self.logits.shape),
             self.logits.ctypes.data,
         )  # fmt: skip
+        self._bind_cache(io)
         self.binding = io
         return last
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         if self.binding is None:
             raise GenerationError("step() before prefill(): run a prefill first")
-        needed = int(self.lens.max()) + 1
-        if needed > self.capacity:
-            kv = self.backend._kv
-            kv.ensure(needed, self.lens)
-            assert kv.geometry is not None
-            self._bind_cache(kv.geometry)
+        kv = self.backend._kv
+        if self.paged or self.any_ended or int(self.lens.max()) >= self.capacity:
+            stops = self.lens + ~self.ended  # ended rows write nothing
+            kv.prepare(self.lens, stops)
+        if kv.epoch != self.epoch:
+            self._bind_cache(self.binding)
         self.tok[:, 0] = tokens
-        self.pos[:, 0] = self.lens
+        if self.any_ended:
+            self.pos[:, 0] = np.where(self.ended, -1, self.lens)
+        else:
+            self.pos[:, 0] = self.lens
         self._run(self.binding, "decode step")
-        self.lens += 1
+        self.lens += ~self.ended if self.any_ended else 1
         if self.convert_logits:
             np.copyto(self.logits32, self.logits[:, 0], casting="unsafe")
         return self.logits32
+
+    def end(self, rows: Sequence[int]) -> None:
+        """Rows whose sequence is over: their pages go back (paged); they run as padding."""
+        if self.binding is None:
+            raise GenerationError("end_sequences() before prefill(): run a prefill first")
+        kv = self.backend._kv
+        for row in rows:
+            b = int(row)
+            if not 0 <= b < self.ended.size:
+                raise GenerationError(
+                    f"end_sequences: row {b} is not in the batch of {self.ended.size}"
+                )
+            if self.ended[b]:
+                continue
+            self.ended[b] = True
+            self.any_ended = True
+            if self.paged:
+                kv.release(b)
+                self.lens[b] = 0  # it holds no tokens now
+
+
+# --- paged layouts on ep graphs ----------------------------------------------------------------
+
+#: the graph input the paged KV ops read the block table from (int32 [batch, pages])
+PAGED_TABLE_INPUT = "kv_block_table"
+# Tells ONNX Runtime where a graph loaded from elsewhere finds its external data (ORT >= 1.19).
+_EXTERNAL_DATA_FOLDER = "session.model_external_initializers_file_folder_path"
+
+
+def layout_page_size(layout: KVLayout, model: DecoderModel) -> int:
+    """The page size of ``layout``'s geometry for ``model`` (0: a contiguous layout)."""
+    g = layout.geometry(
+        batch=1,
+        capacity=min(16, model.context_length),
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        itemsize=model.kv_itemsize,
+    )
+    return int(g.strides.page_size)
+
+
+def is_dense_head_major(g: KVGeometry) -> bool:
+    """Whether ``g`` is [batch, kv_heads, capacity, head_dim], dense: what GQA graphs bind."""
+    s = g.strides
+    dense = (g.kv_heads * g.capacity * g.head_dim, g.head_dim, g.capacity * g.head_dim, 1)
+    want = (g.batch, g.kv_heads, g.capacity, g.head_dim)
+    return g.shape == want and (s.batch, s.token, s.head, s.dim) == dense and not s.page_size
+
+
+def gqa_can_bind(layout: KVLayout) -> bool:
+    """Whether a GroupQueryAttention (contrib) graph can bind ``layout``'s buffers as its
+    past/present: dense head-major, probed at batch 2, capacity 16, 2 KV heads of 4."""
+    return is_dense_head_major(
+        layout.geometry(batch=2, capacity=16, kv_heads=2, head_dim=4, itemsize=4)
+    )
+
+
+def ep_graph_hint(model: DecoderModel, layout: str) -> str:
+    """What to run to get ``model`` as an ep graph, whose KV ops read any layout."""
+    run = f"genai-ep run --model OUT --kv-layout {layout}"
+    if model.kind == "spec":
+        spec = re.sub(r",\s*flavou?r\s*=\s*\w+", "", model.source)
+        return (
+            "load it as an ep graph, whose KV ops read any layout: "
+            f"genai-ep run --model {shlex.quote(spec + ',flavour=ep')} --kv-layout {layout}"
+        )
+    if model.kind == "hf":
+        out = shlex.quote(f"{Path(model.source).expanduser()}-ep")
+        return (
+            "build it as an ep graph, whose KV ops read any layout: "
+            f"genai-ep build --hf {shlex.quote(model.source)} --flavour ep -o {out}, then "
+            + run.replace("OUT", out)
+        )
+    src = model.folder if model.kind == "genai" else model.onnx_path
+    out = shlex.quote(f"{src.with_suffix('') if src.is_file() else src}-ep")
+    return (
+        "rewrite it into this project's ops, whose KV ops read any layout: "
+        f"genai-ep rewrite {shlex.quote(str(src))} -o {out}, then " + run.replace("OUT", out)
+    )
+
+
+def paged_graph(onnx_path: str | Path) -> Any:
+    """The ep graph at ``onnx_path`` with every KVCommit / KVAttention swapped for its paged
+    variant, which reads one more input: the block table `PAGED_TABLE_INPUT` (int32 [batch,
+    pages]), inserted before the cache handle. External data stays where it is (not loaded).
+
+    Why at load time: one ep model file then serves every layout (model loading accepts only
+    the four ep inputs, and a paged op refuses a contiguous geometry), and the swap is exact:
+    the paged ops take the same attributes and compute the same numbers.
+    """
+    import onnx
+    from onnx import TensorProto, helper
+
+    from ep.ops import DOMAIN, op_types
+    from ep.ops.kv import KV_ATTENTION_PAGED, KV_COMMIT_PAGED
+
+    path = Path(onnx_path)
+    model = onnx.load(str(path), load_external_data=False)
+    known = op_types()
+    paged = {"KVCommit": KV_COMMIT_PAGED, "KVAttention": KV_ATTENTION_PAGED}
+    swapped = 0
+    for node in model.graph.node:
+        found = known.get(node.op_type) if node.domain == DOMAIN else None
+        if found is None or found[0].name not in paged:
+            continue
+        op, signature = found
+        node.op_type = paged[op.name].schema.op_type(signature)
+        node.input.insert(len(node.input) - 1, PAGED_TABLE_INPUT)
+        swapped += 1
+    if not swapped:
+        raise ModelError(
+            f"{path}: no KVCommit/KVAttention nodes to swap for their paged variants; a paged "
+            "KV layout needs an ep graph whose KV ops read the runtime's cache"
+        )
+    model.graph.input.append(
+        helper.make_tensor_value_info(PAGED_TABLE_INPUT, TensorProto.INT32, ["batch", "pages"])
+    )
+    return model
+
+
+def _paged_session(
+    model: DecoderModel, config: SessionConfig | None, hook: SessionOptionsHook | None
+) -> ort.InferenceSession:
+    """A session of `paged_graph` (written to a temporary folder for ONNX Runtime to load; its
+    external data is read from the model's own folder)."""
+    import onnx
+
+    graph = paged_graph(model.onnx_path)
+    folder = str(model.onnx_path.parent.resolve())
+
+    def with_data(options: ort.SessionOptions) -> None:
+        if hook is not None:
+            hook(options)
+        options.add_session_config_entry(_EXTERNAL_DATA_FOLDER, folder)
+
+    with tempfile.TemporaryDirectory(prefix="genai-ep-paged-") as tmp:
+        path = Path(tmp) / model.onnx_path.name
+        onnx.save_model(graph, str(path))
+        return create_session(path, config, session_options_hook=with_data)

@@ -23,6 +23,14 @@ class GenerationMetrics:
     ``tokens_per_s``: new tokens of all rows over prefill + decode time. ``decode_tokens_per_s``:
     batch * steps over decode time. ``kv_*``: the runtime's cache at the end (bytes over all
     layers, K and V); ``growths``: capacity growths during this call.
+
+    KV layout counters (`ep.runtime.kv.KVStats`): ``kv_bytes`` is what the geometry spans (a
+    fixed-stride layout's full reservation), ``kv_committed_bytes`` what is backed by memory;
+    ``kv_relocated_bytes`` moved by growth plans and ``kv_growth_ms`` the time they took;
+    ``kv_moved_growths`` growths that changed the buffers' address; ``kv_copied_bytes``
+    relocated plus copy-on-write bytes; ``kv_bytes_per_token`` one token of one sequence over
+    every layer's K and V. Paged layouts: ``kv_page_size``, ``kv_pages_in_use``,
+    ``kv_shared_pages`` (held by more than one sequence) and ``kv_cow_bytes`` (0 otherwise).
     """
 
     batch: int
@@ -41,6 +49,15 @@ class GenerationMetrics:
     kv_capacity: int
     growths: int
     kv_copied_bytes: int
+    kv_committed_bytes: int = 0
+    kv_relocated_bytes: int = 0
+    kv_moved_growths: int = 0
+    kv_growth_ms: float = 0.0
+    kv_bytes_per_token: int = 0
+    kv_page_size: int = 0
+    kv_pages_in_use: int = 0
+    kv_shared_pages: int = 0
+    kv_cow_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -75,4 +92,13 @@ def summarize(
         kv_capacity=kv.capacity,
         growths=kv.growths,
         kv_copied_bytes=kv.copied_bytes,
+        kv_committed_bytes=kv.committed_bytes,
+        kv_relocated_bytes=kv.relocated_bytes,
+        kv_moved_growths=kv.moved_growths,
+        kv_growth_ms=kv.growth_ms,
+        kv_bytes_per_token=kv.bytes_per_token,
+        kv_page_size=kv.page_size,
+        kv_pages_in_use=kv.pages_in_use,
+        kv_shared_pages=kv.shared_pages,
+        kv_cow_bytes=kv.cow_bytes,
     )

@@ -13,6 +13,9 @@ through an int64 handle (`ep.ops.KV_CACHES`) plus the layout's geometry. Graph I
 
 There is no attention mask: a query at position p attends to its row's slots 0..p, and padding
 (negative positions) is neither written nor attended, so left- and right-padded batches both work.
+The graph is layout-neutral: every contiguous KV layout works through ``kv_geometry``, and for a
+paged layout the ort backend loads it with KVCommit / KVAttention swapped for their ``...Paged``
+variants plus a ``kv_block_table`` input (`ep.ort.backend.paged_graph`), so one file serves all.
 Pieces: RMSNorm / SkipRMSNorm, packed-QKV MatMul, Split + Reshape, RotaryTheta (or Rotary over
 cos/sin caches when theta has more than 6 significant digits), KVCommit + KVAttention, SwiGLUPacked
 over one packed gate/up projection, and for the dense projections MatMul on a *named* weight: the

@@ -3,6 +3,13 @@
 This is the layout of onnxruntime-genai models' past/present tensors, so graphs with head-major
 I/O bind it directly. Growing the capacity changes the per-head stride, so growth allocates a new
 buffer and copies every (sequence, head) run of live tokens: addresses are not stable.
+
+Graph flavours: every one. onnxruntime-genai ("contrib") graphs bind this cache itself as their
+shared past/present (it is the only layout they can: GroupQueryAttention reads and writes its
+cache head-major); "standard" graphs commit each new token into it; ep graphs read its strides.
+The other layouts (``seq_major``, ``paged``) run on ep graphs — ``genai-ep rewrite MODEL -o OUT``
+turns an onnxruntime-genai model into one, and the ort backend says so when asked for another
+layout on a contrib graph (see `ep.ort.backend`).
 """
 
 from __future__ import annotations

@@ -52,17 +52,17 @@ def test_every_builtin_op_has_three_float_signatures_with_distinct_onnx_types() 
 
 def test_kernels_are_keyed_by_device_and_extensible() -> None:
     op = eo.core_op("SwiGLU")
-    with pytest.raises(OpError, match="no 'cuda' kernel"):
-        op.kernel("cuda")
+    with pytest.raises(OpError, match="no 'rocm' kernel"):
+        op.kernel("rocm")
 
-    def fake_cuda(gate, up):
+    def fake_rocm(gate, up):
         return gate
 
-    with_cuda = op.with_kernel("cuda", fake_cuda)
-    assert with_cuda.kernel("cuda") is fake_cuda and with_cuda.kernel("cpu") is op.reference
-    assert "cuda" not in op.kernels  # the registered definition is unchanged
+    with_rocm = op.with_kernel("rocm", fake_rocm)
+    assert with_rocm.kernel("rocm") is fake_rocm and with_rocm.kernel("cpu") is op.reference
+    assert "rocm" not in op.kernels  # the registered definition is unchanged
     with pytest.raises(TypeError):
-        op.kernels["cuda"] = fake_cuda  # type: ignore[index]
+        op.kernels["rocm"] = fake_rocm  # type: ignore[index]
 
 
 # --- schema validation -----------------------------------------------------------------------
@@ -310,6 +310,14 @@ def test_the_public_api_is_what_we_mean() -> None:
         "run_with_iobinding",
         "raise_op_errors",
         "take_op_errors",
+        # where the ops' kernels run inside sessions
+        "OpPlacement",
+        "current_placement",
+        "placement_for",
+        "set_device",
+        "set_placement",
+        "use_device",
+        "use_placement",
         # runtime-owned state
         "KV_CACHES",
         "KVCacheTable",

@@ -14,10 +14,9 @@ import onnx
 import pytest
 
 import ep.ops as eo
-from ep.errors import ConfigError, GenerationError, ModelError, OpError
+from ep.errors import GenerationError, ModelError, OpError
 from ep.model import DecoderModel, load_model
 from ep.ort import OrtBackend
-from ep.seams import ByteRange, GrowthPlan, KVGeometry, KVStrides
 from ep_builtin.kv_head_major import HeadMajorLayout
 from ep_graphs import ModelSpec, build_model, load_hf_checkpoint, random_weights
 
@@ -111,30 +110,6 @@ def test_seq_major_layout_gives_the_same_logits(tiny_ep: DecoderModel) -> None:
     assert seq_backend.kv.geometry.shape == (4, 64, 2, 32) and seq_backend.kv.growths == 2
     np.testing.assert_array_equal(head, seq)
     seq_backend.close()
-
-
-class _Paged(HeadMajorLayout):
-    name = "paged_for_test"
-
-    def geometry(
-        self, *, batch: int, capacity: int, kv_heads: int, head_dim: int, itemsize: int
-    ) -> KVGeometry:
-        pages = batch * -(-capacity // 4)
-        strides = KVStrides(0, kv_heads * head_dim, head_dim, 1, 4 * kv_heads * head_dim, 4)
-        shape = (pages, 4, kv_heads, head_dim)
-        return KVGeometry(self.name, batch, capacity, kv_heads, head_dim, itemsize, shape, strides)
-
-    def live_ranges(self, geometry: KVGeometry, live: Sequence[int]) -> tuple[ByteRange, ...]:
-        return ()
-
-    def growth_plan(self, old: KVGeometry, new: int, live: Sequence[int]) -> GrowthPlan:
-        raise NotImplementedError
-
-
-def test_paged_layout_is_refused_clearly(tiny_ep: DecoderModel) -> None:
-    backend = OrtBackend(tiny_ep, _Paged())
-    with pytest.raises(ConfigError, match=r"'paged_for_test' is paged \(page_size 4\)"):
-        backend.prefill([np.array(PROMPTS[0])])
 
 
 def test_an_op_error_is_raised_not_returned_as_zero_logits(tiny_ep: DecoderModel) -> None:
