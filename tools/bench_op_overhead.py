@@ -41,7 +41,7 @@ def _model(nodes: list[Any]) -> bytes:
         ],
         [helper.make_empty_tensor_value_info("y")],
     )
-    return helper.make_model(graph, opset_imports=eo.opset_imports()).SerializeToString()
+    return eo.make_model(graph).SerializeToString()
 
 
 def _session(nodes: list[Any]) -> ort.InferenceSession:

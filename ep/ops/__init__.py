@@ -11,7 +11,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ep.ops.core import CORE_OPS, core_op
-from ep.ops.graph import BITCAST_OPSET, check_model, make_nodes, op_types, opset_imports
+from ep.ops.graph import (
+    BITCAST_OPSET,
+    IR_VERSION,
+    check_model,
+    make_model,
+    make_nodes,
+    op_types,
+    opset_imports,
+)
 from ep.ops.kv import kv_attention_from, kv_commit_into, kv_geometry, parse_kv_geometry
 from ep.ops.matmul import (
     E2M1_VALUES,
@@ -72,6 +80,7 @@ __all__ = [
     "CORE_OPS",
     "DOMAIN",
     "E2M1_VALUES",
+    "IR_VERSION",
     "KV_CACHES",
     "MXFP4_BLOCK",
     "NODE_ATTR",
@@ -98,6 +107,7 @@ __all__ = [
     "kv_attention_from",
     "kv_commit_into",
     "kv_geometry",
+    "make_model",
     "make_nodes",
     "op_types",
     "opset_imports",

@@ -49,6 +49,19 @@ def opset_imports(onnx_opset: int = BITCAST_OPSET) -> list[onnx.OperatorSetIdPro
     return [helper.make_opsetid("", onnx_opset), helper.make_opsetid(DOMAIN, 1)]
 
 
+# The IR version models are written with: onnx 1.23 defaults to 14, which onnxruntime before
+# 1.32 refuses ("max supported IR version: 13"); 10 is what onnxruntime 1.20+ and the
+# onnxruntime-genai builder use, and it carries opset 26 (BitCast) fine.
+IR_VERSION = 10
+
+
+def make_model(graph: onnx.GraphProto, onnx_opset: int = BITCAST_OPSET) -> onnx.ModelProto:
+    """A model of ``graph`` that imports this project's domain, loadable by onnxruntime >= 1.20."""
+    model = helper.make_model(graph, opset_imports=opset_imports(onnx_opset))
+    model.ir_version = IR_VERSION
+    return model
+
+
 def _signature(op: OpDef, dtype: str | Mapping[str, str] | None) -> dict[str, str]:
     sigs = op.schema.signatures()
     if dtype is None:

@@ -112,7 +112,8 @@ def test_mask_width_may_be_the_capacity(session: ort.InferenceSession) -> None:
 
 
 def test_mask_wider_than_the_capacity_is_refused(session: ort.InferenceSession) -> None:
-    with pytest.raises(Exception, match="total_sequence_length"):
+    # onnxruntime 1.32 names total_sequence_length; 1.30 refuses the present it would grow.
+    with pytest.raises(Exception, match=r"total_sequence_length|computed output shape"):
         _run_shared(session, [EXPECTED["prompts"][0]], 3, mask_width=70)
 
 
