@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -26,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
-import onnxruntime_extensions as ortx
+from _bench import machine_info, spread
 
 from ep.model import DecoderModel, load_model
 from ep.rewrite import rewrite_model
@@ -38,28 +34,6 @@ from ep_graphs import ModelSpec, build_model, load_hf_checkpoint, random_weights
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "genai-llama-tiny"
 PROMPT_LENGTHS = (12, 7, 10, 3)
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "onnxruntime": ort.__version__,
-        "onnxruntime_extensions": ortx.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
 
 
 def make_models(args: argparse.Namespace, work: Path) -> tuple[DecoderModel, DecoderModel, str]:
@@ -101,7 +75,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for name, m in (("ep", ep_model), ("contrib", contrib_model))
         }
         results: dict[str, Any] = {
-            "machine": machine_info(),
+            "machine": machine_info("onnxruntime", "onnxruntime-extensions"),
             "models": {
                 "made_from": made,
                 "ep": ep_model.describe(),
@@ -135,14 +109,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
                 {
                     "batch": batch,
                     "prompt_lengths": [len(p) for p in prompts],
-                    "tokens_per_s": {
-                        k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                        for k, v in tps.items()
-                    },
+                    "tokens_per_s": {k: spread(v) for k, v in tps.items()},
                     "ratio_ep_over_contrib": {
-                        "median": statistics.median(ratios),
-                        "min": min(ratios),
-                        "max": max(ratios),
+                        **spread(ratios),
                         "all": ratios,
                         "of_best_runs": best["contrib"] / best["ep"],
                     },

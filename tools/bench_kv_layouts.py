@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _bench import machine_info, spread
 
 from ep.ops.kv import kv_attention_from, kv_commit_into, kv_geometry
 from ep.runtime.kv import KVCache
@@ -52,28 +50,6 @@ LAYOUTS: dict[str, Callable[[], KVLayout]] = {
     "seq_major fixed_stride": lambda: SeqMajorLayout(min_capacity=16, fixed_stride=True),
     "paged (16)": lambda: PagedLayout(page_size=16, min_capacity=16),
 }
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def make_cache(name: str, args: argparse.Namespace, context: int) -> KVCache:

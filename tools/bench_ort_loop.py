@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
+from _bench import machine_info, spread
 
 from ep.model import DecoderModel, load_model
 from ep.ort.session import SessionConfig, create_session
@@ -33,27 +30,6 @@ from ep_builtin.kv_head_major import HeadMajorLayout
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "tests" / "data" / "genai-llama-tiny" / "genai-fp32"
 PROMPT_LENGTHS = (12, 7, 10, 3)
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "usable_cores": usable,
-        "onnxruntime": ort.__version__,
-        "numpy": np.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
 
 
 def make_prompts(model: DecoderModel, batch: int) -> list[list[int]]:
@@ -136,7 +112,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     gen = Generator(model, layout=HeadMajorLayout(), options=options, threads=args.threads)
     results: dict[str, Any] = {
-        "machine": machine_info(),
+        "machine": machine_info("onnxruntime"),
         "model": model.describe(),
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
@@ -170,14 +146,9 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         case = {
             "batch": batch,
             "prompt_lengths": [len(p) for p in prompts],
-            "tokens_per_s": {
-                k: {"median": statistics.median(v), "min": min(v), "max": max(v)}
-                for k, v in tps.items()
-            },
+            "tokens_per_s": {k: spread(v) for k, v in tps.items()},
             "ratio_generator_over_plain": {
-                "median": statistics.median(ratios),
-                "min": min(ratios),
-                "max": max(ratios),
+                **spread(ratios),
                 "all": ratios,
                 # the fastest run of each: robust to other load on a shared machine
                 "of_best_runs": best["plain"] / best["generator"],

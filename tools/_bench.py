@@ -1,0 +1,41 @@
+"""What every CPU benchmark script in tools/ reports alike: the machine, and a value's spread."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import platform
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def machine_info(*packages: str) -> dict[str, Any]:
+    """CPU model, cores (all and usable), Python, platform and the versions of ``packages``."""
+    cpu = platform.processor() or platform.machine() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info: dict[str, Any] = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "usable_cores": usable,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    for name in ("numpy", *packages):
+        try:
+            info[name.replace("-", "_")] = md.version(name)
+        except md.PackageNotFoundError:
+            info[name.replace("-", "_")] = None
+    return info
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median, min and max of repeated measurements."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
