@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("source", ["build", "rewrite"])
 def test_bench_ep_vs_contrib_smoke_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # as when run as a script: tools/_bench.py
     spec = importlib.util.spec_from_file_location(
         "bench_ep_vs_contrib", ROOT / "tools" / "bench_ep_vs_contrib.py"
     )
