@@ -272,11 +272,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from ep.runtime import GenerationOptions, Generator
 
     _, config = host_and_config(args)
-    if config["decode.backend"] != "ort":
-        raise ConfigError(
-            f"decode.backend = {config.describe('decode.backend')}: the native backend is not "
-            "available in this version; use --backend ort"
-        )
     bundled = args.model is None
     # --- KV layout (issue 5): only ep graphs read a layout other than dense head-major (see
     # ep.ort.backend). A Hugging Face checkpoint or a spec, which `run` converts anyway, is
@@ -298,10 +293,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
     options = GenerationOptions(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens
     )
+    layout = config.create("kv_layout")
+    backend: Any = config["decode.backend"]
+    if backend == "native":
+        from ep.native import NativeBackend
+
+        # Each config key's source, so a declined capture can say where its inputs came from.
+        sources = {key: config.source(key) for key in config.settings}
+        sources.update(capture=config.source("decode.capture"))
+        sources.update(offload=config.source("decode.offload"))
+        backend = NativeBackend(
+            model,
+            layout,
+            device=config["decode.device"],
+            capture=config.create("capture"),
+            sources=sources,
+        )
     generator = Generator(
         model,
-        layout=config.create("kv_layout"),
-        backend=config["decode.backend"],
+        layout=layout,
+        backend=backend,
         device=config["decode.device"],
         threads=config["decode.threads"],
         sampling=sampling,
@@ -313,6 +324,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         if result.text is not None:
             out["text"] = list(result.text)
         out["metrics"] = result.metrics.to_dict()
+        capture = getattr(generator.backend, "capture_metrics", None)
+        if capture is not None:
+            out["metrics"]["capture"] = capture.to_dict()
         out["finish_reasons"] = list(result.finish_reasons)
         if result.notes:
             out["notes"] = list(result.notes)

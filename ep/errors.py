@@ -111,3 +111,16 @@ class KernelFaultError(OpError):
     def __init__(self, message: str, *, faults: int = 0) -> None:
         super().__init__(message)
         self.faults = faults
+
+
+# --- weight store and offload (ep/offload) -----------------------------------------------------
+
+__all__ += ["OffloadBudgetError", "OffloadError"]
+
+
+class OffloadError(EPError):
+    """The weight store was misused: an unknown weight, a closed store, a capture it refuses."""
+
+
+class OffloadBudgetError(OffloadError, ConfigError):
+    """The offload budget cannot hold the plan; the message gives the bytes needed and the fix."""

@@ -77,7 +77,7 @@ def test_run_streams_text_and_prints_metrics(capsys) -> None:
         (["--prompt-ids", "1,999999"], "999999"),
         (["--prompt-ids", ",".join(["5"] * 300)], "context"),
         ([], "give a prompt"),
-        (["--backend", "native", "--prompt-ids", "1"], "native backend is not available"),
+        (["--backend", "native", "--capture", "warmpu", "--prompt-ids", "1"], "did you mean"),
     ],
 )
 def test_run_bad_input_is_one_clear_error(capsys, argv: list[str], message: str) -> None:

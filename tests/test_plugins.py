@@ -38,9 +38,11 @@ def test_allowlist_keeps_only_named_plugins() -> None:
 
 
 def test_blocklist_drops_named_plugins() -> None:
-    host = PluginHost(environ={"GENAI_EP_DISABLE_PLUGINS": "capture_never"})
-    assert "capture_never" not in [p.ref.name for p in host.plugins]
-    assert host.registry.names("capture") == []
+    host = PluginHost(environ={"GENAI_EP_DISABLE_PLUGINS": "capture_never,capture_warmup"})
+    loaded = [p.ref.name for p in host.plugins]
+    assert "capture_never" not in loaded and "capture_warmup" not in loaded
+    assert "never" not in host.registry.names("capture")
+    assert "warmup" not in host.registry.names("capture")
     assert "head_major" in host.registry.names("kv_layout")
 
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = ["BACKENDS", "Backend", "OpsOnDevice", "create_backend"]
 
-BACKENDS: tuple[str, ...] = ("ort",)
+BACKENDS: tuple[str, ...] = ("ort", "native")
 
 
 @runtime_checkable
@@ -82,10 +82,11 @@ def create_backend(
             session_options_hook=session_options_hook,
         )
         return backend if placement is None else OpsOnDevice(backend, placement)
-    raise ConfigError(
-        f"unknown backend {name!r}; available: {', '.join(BACKENDS)} (the native backend is not "
-        "built yet)"
-    )
+    if name == "native":
+        from ep.native import NativeBackend
+
+        return NativeBackend(model, layout, device=device)
+    raise ConfigError(f"unknown backend {name!r}; available: {', '.join(BACKENDS)}")
 
 
 def _ops_placement(model: DecoderModel, device: str) -> OpPlacement | None:

@@ -1,0 +1,148 @@
+"""The few element-wise kernels the native executor needs beyond the op kernels of `ep.kernels`.
+
+``native_add_bias_<dt>``: ``out[r, c] = x[r, c] + bias[c]`` (the ``Add`` after a biased
+projection), rounded once to the dtype, as NumPy's same-dtype add does. ``native_cast_f32_<dt>``:
+``out = float32(x)`` (the logits ``Cast`` of fp16/bf16 graphs). ``native_advance``: the device
+token loop's bookkeeping after sampling: the sampled id goes to the input ids and to slot
+``slot`` of the token history, and every live position (>= 0) moves one forward. Each has a NumPy
+twin, so the CPU device runs the same calls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ep.device import Buffer, Device, Stream
+from ep.kernels._common import (
+    check_buffer,
+    dtype_suffix,
+    register_one,
+    register_per_dtype,
+    threads_for,
+)
+
+__all__ = ["add_bias", "advance", "cast_f32"]
+
+_ADD = r"""
+extern "C" __global__ void KERNEL(T* out, const T* x, const T* bias, i64 rows, i64 cols) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= rows * cols) return;
+    out[i] = from_f32<T>(to_f32(x[i]) + to_f32(bias[i % cols]));
+}
+"""
+
+_CAST = r"""
+extern "C" __global__ void KERNEL(float* out, const T* x, i64 n) {
+    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = to_f32(x[i]);
+}
+"""
+
+_ADVANCE = r"""
+extern "C" __global__ void native_advance(
+    long long* input_ids, long long* positions, long long* history, const long long* sampled,
+    long long batch, long long slot) {
+    const long long b = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (b >= batch) return;
+    input_ids[b] = sampled[b];
+    history[slot * batch + b] = sampled[b];
+    if (positions[b] >= 0) positions[b] += 1;
+}
+"""
+
+
+def _add_cpu(
+    out: np.ndarray, x: np.ndarray, bias: np.ndarray, rows: np.int64, cols: np.int64
+) -> None:
+    r, c = int(rows), int(cols)
+    # Same-dtype NumPy add: float32 arithmetic for fp32; fp16/bf16 round once (as ONNX Add).
+    out[: r * c] = (x[: r * c].reshape(r, c) + bias[:c]).reshape(-1)
+
+
+def _cast_cpu(out: np.ndarray, x: np.ndarray, n: np.int64) -> None:
+    out[: int(n)] = x[: int(n)].astype(np.float32)
+
+
+def _advance_cpu(
+    input_ids: np.ndarray,
+    positions: np.ndarray,
+    history: np.ndarray,
+    sampled: np.ndarray,
+    batch: np.int64,
+    slot: np.int64,
+) -> None:
+    b, s = int(batch), int(slot)
+    input_ids[:b] = sampled[:b]
+    history[s * b : (s + 1) * b] = sampled[:b]
+    live = positions[:b] >= 0
+    positions[:b][live] += 1
+
+
+ADD_KERNELS = register_per_dtype(
+    "native_add_bias", _ADD, ("T*", "T*", "T*", "i64", "i64"), _add_cpu
+)
+CAST_KERNELS = register_per_dtype("native_cast_f32", _CAST, ("f32*", "T*", "i64"), _cast_cpu)
+ADVANCE_KERNEL = register_one(
+    "native_advance", _ADVANCE, ("i64*", "i64*", "i64*", "i64*", "i64", "i64"), _advance_cpu
+)
+
+
+def _grid(n: int) -> tuple[int, int]:
+    threads = threads_for(n, most=256)
+    return max(1, -(-n // threads)), threads
+
+
+def add_bias(
+    dev: Device, out: Buffer, x: Buffer, bias: Buffer, *, rows: int, cols: int, stream: Stream
+) -> None:
+    """``out[r, c] = x[r, c] + bias[c]``; all one float dtype, rows contiguous."""
+    op = "Add"
+    suffix = dtype_suffix(x.dtype, op)
+    check_buffer(op, "x", x, rows * cols, x.dtype)
+    check_buffer(op, "bias", bias, cols, x.dtype)
+    check_buffer(op, "out", out, rows * cols, x.dtype)
+    if rows * cols == 0:
+        return
+    grid, threads = _grid(rows * cols)
+    dev.kernel(ADD_KERNELS[suffix].name).launch(
+        grid, threads, out, x, bias, rows, cols, stream=stream
+    )
+
+
+def cast_f32(dev: Device, out: Buffer, x: Buffer, *, n: int, stream: Stream) -> None:
+    """``out = float32(x)`` for ``n`` elements of a float16/bfloat16/float32 ``x``."""
+    op = "Cast"
+    suffix = dtype_suffix(x.dtype, op)
+    check_buffer(op, "x", x, n, x.dtype)
+    check_buffer(op, "out", out, n, np.dtype(np.float32))
+    if n == 0:
+        return
+    grid, threads = _grid(n)
+    dev.kernel(CAST_KERNELS[suffix].name).launch(grid, threads, out, x, n, stream=stream)
+
+
+def advance(
+    dev: Device,
+    input_ids: Buffer,
+    positions: Buffer,
+    history: Buffer,
+    sampled: Buffer,
+    *,
+    batch: int,
+    slot: int,
+    stream: Stream,
+) -> None:
+    """After sampling step ``slot`` of a device loop: ids <- sampled, history[slot] <- sampled,
+    live positions += 1 (int64 buffers of ``batch`` elements; history holds k slots)."""
+    i64 = np.dtype(np.int64)
+    for name, buf, n in (
+        ("input_ids", input_ids, batch),
+        ("positions", positions, batch),
+        ("history", history, (slot + 1) * batch),
+        ("sampled", sampled, batch),
+    ):
+        check_buffer("advance", name, buf, n, i64)
+    grid, threads = _grid(batch)
+    dev.kernel(ADVANCE_KERNEL).launch(
+        grid, threads, input_ids, positions, history, sampled, batch, slot, stream=stream
+    )

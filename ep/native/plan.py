@@ -1,0 +1,420 @@
+"""A static plan of one graph at one (batch, seq): shapes, one arena, kernels bound to addresses.
+
+`StepPlan` walks the program once: it infers every value's shape, makes Split / Reshape / BitCast
+outputs views (a Split along the last axis is a view whose tokens are ``tok`` elements apart; the
+kernels that read it take that token stride), and gives every other value a slot in one arena
+buffer, reusing bytes whose value is dead (first fit over lifetimes). `StepPlan.bind` turns the
+nodes into a list of calls of `ep.kernels` wrappers with every buffer fixed; the same list runs
+eagerly or inside a capture. The KV cache's buffers and geometry come in at `bind`, so a plan
+survives cache growth and is only rebound.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ep.device import Buffer, Device, Stream
+from ep.errors import ModelError
+from ep.native import _kernels as nk
+from ep.native.program import Node, Program
+from ep.native.weights import WeightSource
+from ep.seams import KVStrides
+
+__all__ = ["KVBinding", "StepPlan"]
+
+_ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
+
+
+@dataclass
+class _Value:
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    base: str  # the value owning the storage (itself unless a view)
+    offset: int = 0  # elements into the base
+    tok: int = 0  # elements between consecutive tokens (B*S axis)
+    storage: int = 0  # elements the storage spans when tokens are strided (0: the size)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def per_token(self) -> int:
+        return math.prod(self.shape[2:]) if len(self.shape) > 2 else self.shape[-1]
+
+
+@dataclass(frozen=True)
+class KVBinding:
+    """What the KV ops of one step are bound to."""
+
+    keys: tuple[Buffer, ...]
+    values: tuple[Buffer, ...]
+    strides: KVStrides
+    capacity: int  # the capacity bound the kernels check positions against
+    block_table: Buffer | None
+    table_cols: int
+
+
+class StepPlan:
+    """``program`` at ``batch`` × ``seq`` on ``device``: buffers assigned once, calls bound."""
+
+    def __init__(
+        self,
+        program: Program,
+        *,
+        device: Device,
+        stream: Stream,
+        weights: WeightSource,
+        batch: int,
+        seq: int,
+        kv_heads: int,
+        status: Buffer,
+        matmul_workspace: Any,
+        inv_freq: dict[tuple[float, int], Buffer],
+        split_attention: bool,
+        max_context: int,
+    ) -> None:
+        self.program = program
+        self.device = device
+        self.stream = stream
+        self.weights = weights
+        self.batch = batch
+        self.seq = seq
+        self.kv_heads = kv_heads
+        self.status = status
+        self.matmul_workspace = matmul_workspace
+        self.inv_freq = inv_freq
+        self.split_attention = split_attention
+        self.max_context = max_context
+        tag = f"b{batch}s{seq}"
+        self.input_ids = device.alloc((batch, seq), np.int64, stream=stream, name=f"ids:{tag}")
+        self.positions = device.alloc((batch, seq), np.int64, stream=stream, name=f"pos:{tag}")
+        self.values: dict[str, _Value] = {}
+        self.aliases: dict[str, str] = {}
+        self._infer()
+        self._assign(tag)
+        out = self.values[program.output]
+        self.logits = device.alloc(out.shape, out.dtype, stream=stream, name=f"logits:{tag}")
+        self._attn_workspaces: dict[int, Buffer] = {}
+        self.arena_bytes = self.arena.nbytes
+
+    # --- shapes --------------------------------------------------------------------------------
+
+    def _const(self, name: str) -> np.ndarray:
+        name = self.aliases.get(name, name)
+        found = self.program.arrays.get(name)
+        if found is None:
+            raise ModelError(f"{self.program.path}: {name!r} must be a constant or initializer")
+        return found
+
+    def _shape_of(self, name: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        if name in self.values:
+            v = self.values[name]
+            return v.shape, v.dtype
+        array = self._const(name)
+        return tuple(array.shape), array.dtype
+
+    def _new(self, name: str, shape: tuple[int, ...], dtype: Any) -> None:
+        per = math.prod(shape[2:]) if len(shape) > 2 else shape[-1]
+        self.values[name] = _Value(tuple(int(s) for s in shape), np.dtype(dtype), name, 0, per)
+
+    def _infer(self) -> None:
+        b, s = self.batch, self.seq
+        i64 = np.dtype(np.int64)
+        for name in self.program.inputs:
+            if name in ("input_ids", "positions"):
+                self.values[name] = _Value((b, s), i64, name, 0, 1)
+        for node in self.program.nodes:
+            self._infer_node(node)
+
+    def _infer_node(self, node: Node) -> None:
+        op, ins, outs = node.op, node.inputs, node.outputs
+        if op in ("BitCast", "Identity"):
+            src = self.values.get(ins[0])
+            if src is None:  # a weight's carrier: the initializer itself
+                self.aliases[outs[0]] = self.aliases.get(ins[0], ins[0])
+            else:
+                self.values[outs[0]] = src
+            return
+        if op == "Gather":
+            table_shape, dtype = self._shape_of(ins[0])
+            ids_shape, _ = self._shape_of(ins[1])
+            self._new(outs[0], (*ids_shape, table_shape[1]), dtype)
+        elif op in ("Rotary", "RotaryTheta"):
+            # The output keeps its input's token stride, so a rotated K and its unrotated V
+            # (views of one QKV projection) reach KVCommit with one source stride.
+            x = self.values[ins[0]]
+            n = x.shape[0] * x.shape[1]
+            self.values[outs[0]] = _Value(x.shape, x.dtype, outs[0], 0, x.tok, n * x.tok)
+        elif op in ("RMSNorm", "Add"):
+            shape, dtype = self._shape_of(ins[0])
+            self._new(outs[0], shape, dtype)
+        elif op == "SkipRMSNorm":
+            shape, dtype = self._shape_of(ins[0])
+            self._new(outs[0], shape, dtype)
+            self._new(outs[1], shape, dtype)
+        elif op in ("MatMul", "MatMulNBits", "MatMulNBitsZP"):
+            shape, dtype = self._shape_of(ins[0])
+            self._new(outs[0], (*shape[:-1], int(node.attrs["N"])), dtype)
+        elif op == "Cast":
+            shape, _ = self._shape_of(ins[0])
+            if int(node.attrs.get("to", 1)) != 1:
+                raise ModelError(f"{node.name}: the native executor casts to float32 only")
+            self._new(outs[0], shape, np.float32)
+        elif op == "Split":
+            src = self.values[ins[0]]
+            axis = int(node.attrs.get("axis", -1))
+            if axis not in (-1, len(src.shape) - 1) or len(src.shape) != 3:
+                raise ModelError(f"{node.name}: the native executor splits the last axis only")
+            sizes = [int(x) for x in self._const(ins[1])]
+            at = 0
+            for out, size in zip(outs, sizes, strict=True):
+                self.values[out] = _Value(
+                    (*src.shape[:-1], size), src.dtype, src.base, src.offset + at, src.tok
+                )
+                at += size
+        elif op == "Reshape":
+            src = self.values[ins[0]]
+            want = [int(x) for x in self._const(ins[1])]
+            dims = [src.shape[i] if d == 0 else d for i, d in enumerate(want)]
+            if -1 in dims:
+                known = math.prod(d for d in dims if d != -1)
+                dims[dims.index(-1)] = src.size // known
+            if tuple(dims[:2]) != src.shape[:2] or math.prod(dims) != src.size:
+                raise ModelError(
+                    f"{node.name}: reshape {src.shape} -> {tuple(dims)} must keep the (batch, "
+                    "seq) axes for the native executor"
+                )
+            self.values[outs[0]] = _Value(tuple(dims), src.dtype, src.base, src.offset, src.tok)
+        elif op in ("KVCommit", "KVCommitPaged"):
+            self._new(outs[0], (self.batch,), np.int64)
+        elif op in ("KVAttention", "KVAttentionPaged"):
+            shape, dtype = self._shape_of(ins[0])
+            self._new(outs[0], shape, dtype)
+        elif op == "SwiGLUPacked":
+            shape, dtype = self._shape_of(ins[0])
+            self._new(outs[0], (*shape[:-1], shape[-1] // 2), dtype)
+        elif op == "SwiGLU":
+            shape, dtype = self._shape_of(ins[0])
+            self._new(outs[0], shape, dtype)
+        else:  # load_program refused it already
+            raise ModelError(f"{node.name}: op {op} has no native implementation")
+
+    # --- buffers -------------------------------------------------------------------------------
+
+    def _assign(self, tag: str) -> None:
+        """First-fit arena offsets over [first, last] node lifetimes of each storage value."""
+        first: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for i, node in enumerate(self.program.nodes):
+            for name in node.inputs:
+                v = self.values.get(name)
+                if v is not None:
+                    last[v.base] = i
+            for name in node.outputs:
+                v = self.values.get(name)
+                if v is not None and v.base == name:
+                    first.setdefault(name, i)
+                    last.setdefault(name, i)
+        output = self.values[self.program.output].base
+        last[output] = len(self.program.nodes)
+        live: list[tuple[int, int, int]] = []  # (offset, nbytes, last)
+        offsets: dict[str, int] = {}
+        top = 0
+        for name in sorted(first, key=lambda n: first[n]):
+            if name in ("input_ids", "positions"):
+                continue
+            start = first[name]
+            live = [x for x in live if x[2] >= start]
+            v = self.values[name]
+            nbytes = -(-max(v.size, v.storage) * v.dtype.itemsize // _ALIGN) * _ALIGN
+            at = 0
+            for off, size, _ in sorted(live):
+                if at + nbytes <= off:
+                    break
+                at = max(at, off + size)
+            offsets[name] = at
+            live.append((at, nbytes, last[name]))
+            top = max(top, at + nbytes)
+        self.offsets = offsets
+        self.arena = self.device.alloc(
+            max(top, _ALIGN), np.uint8, stream=self.stream, name=f"arena:{tag}"
+        )
+
+    def buffer(self, name: str) -> Buffer:
+        """The buffer a kernel gets for value ``name`` (a view from its start to its base's end)."""
+        if name == self.program.output:
+            return self.logits
+        name = self.aliases.get(name, name)
+        v = self.values.get(name)
+        if v is None:
+            return self.weights.get(name, stream=self.stream)
+        if v.base == "input_ids":
+            return self.input_ids
+        if v.base == "positions":
+            return self.positions
+        base = self.values[v.base]
+        count = max(base.size, base.storage) - v.offset
+        start = self.offsets[v.base] + v.offset * v.dtype.itemsize
+        return self.arena.view(v.dtype, (count,), offset=start, name=f"{self.arena.name}:{name}")
+
+    def _contiguous(self, node: Node, name: str) -> _Value:
+        v = self.values[name]
+        if v.tok != v.per_token():
+            raise ModelError(
+                f"{node.name}: input {name!r} is a strided view; the native executor needs it "
+                "contiguous here"
+            )
+        return v
+
+    # --- binding -------------------------------------------------------------------------------
+
+    def bind(self, kv: KVBinding) -> list[Callable[[], object]]:
+        """Every node as a call with its buffers fixed (run in order: one decode/prefill step)."""
+        skip = ("BitCast", "Identity", "Split", "Reshape")  # views: no work
+        return [self._bind_node(node, kv) for node in self.program.nodes if node.op not in skip]
+
+    def _bind_node(self, node: Node, kv: KVBinding) -> Callable[[], object]:
+        from ep.kernels import attention, embed, matmul, mlp, norm, rotary
+
+        dev, st, a = self.device, self.stream, node.attrs
+        ins, outs, buf = node.inputs, node.outputs, self.buffer
+        op = node.op
+        b, s = self.batch, self.seq
+        if op == "Gather":
+            table = buf(ins[0])
+            return functools.partial(
+                embed.embed, dev, buf(outs[0]), table, buf(ins[1]), count=b * s,
+                vocab=int(table.shape[0]), hidden=int(table.shape[1]), status=self.status,
+                stream=st,
+            )  # fmt: skip
+        if op == "RMSNorm":
+            x = self._contiguous(node, ins[0])
+            return functools.partial(
+                norm.rms_norm, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]),
+                rows=x.size // x.shape[-1], hidden=x.shape[-1], epsilon=float(a["epsilon"]),
+                stream=st,
+            )  # fmt: skip
+        if op == "SkipRMSNorm":
+            x = self._contiguous(node, ins[0])
+            self._contiguous(node, ins[1])
+            return functools.partial(
+                norm.skip_rms_norm, dev, buf(outs[0]), buf(outs[1]), buf(ins[0]), buf(ins[1]),
+                buf(ins[2]), rows=x.size // x.shape[-1], hidden=x.shape[-1],
+                epsilon=float(a["epsilon"]), stream=st,
+            )  # fmt: skip
+        if op == "MatMul":
+            x = self._contiguous(node, ins[0])
+            k = x.shape[-1]
+            return functools.partial(
+                matmul.gemm, dev, buf(outs[0]), buf(ins[0]),
+                self.weights.get(str(a["weight"]), stream=st), M=x.size // k, N=int(a["N"]),
+                K=k, transpose_b=int(a["transpose_b"]), stream=st,
+                workspace=self.matmul_workspace,
+            )  # fmt: skip
+        if op in ("MatMulNBits", "MatMulNBitsZP"):
+            x = self._contiguous(node, ins[0])
+            zp = buf(ins[3]) if op == "MatMulNBitsZP" else None
+            return functools.partial(
+                matmul.gemm_nbits, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]), buf(ins[2]), zp,
+                M=x.size // int(a["K"]), N=int(a["N"]), K=int(a["K"]),
+                block_size=int(a["block_size"]), bits=int(a["bits"]), stream=st,
+                workspace=self.matmul_workspace,
+            )  # fmt: skip
+        if op == "Add":
+            x = self._contiguous(node, ins[0])
+            bias = self.program.arrays.get(self.aliases.get(ins[1], ins[1]))
+            if bias is None or bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
+                raise ModelError(
+                    f"{node.name}: the native executor adds a 1-D bias initializer of "
+                    f"{x.shape[-1]} to the last axis only"
+                )
+            return functools.partial(
+                nk.add_bias, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]),
+                rows=x.size // x.shape[-1], cols=x.shape[-1], stream=st,
+            )  # fmt: skip
+        if op == "Cast":
+            x = self._contiguous(node, ins[0])
+            return functools.partial(
+                nk.cast_f32, dev, buf(outs[0]), buf(ins[0]), n=x.size, stream=st
+            )
+        if op in ("Rotary", "RotaryTheta"):
+            x = self.values[ins[0]]
+            _, _, heads, head_dim = x.shape
+            common: dict[str, Any] = dict(
+                batch=b, seq=s, heads=heads, head_dim=head_dim, interleaved=int(a["interleaved"]),
+                x_token_stride=x.tok, out_token_stride=self.values[outs[0]].tok,
+                status=self.status, stream=st,
+            )  # fmt: skip
+            if op == "Rotary":
+                cos = buf(ins[2])
+                return functools.partial(
+                    rotary.rotary, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]), cos, buf(ins[3]),
+                    max_positions=int(cos.shape[0]), rotary_dim=2 * int(cos.shape[1]), **common,
+                )  # fmt: skip
+            rot = int(a["rotary_dim"]) or head_dim
+            key = (float(a["theta"]), rot)
+            if key not in self.inv_freq:
+                self.inv_freq[key] = rotary.rotary_inv_freq(dev, key[0], rot, stream=st)
+            return functools.partial(
+                rotary.rotary_theta, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]),
+                self.inv_freq[key], theta=key[0], rotary_dim=rot, **common,
+            )  # fmt: skip
+        if op in ("KVCommit", "KVCommitPaged"):
+            kv_k, kv_v = self.values[ins[0]], self.values[ins[1]]
+            if kv_k.tok != kv_v.tok:
+                raise ModelError(f"{node.name}: K and V views have different token strides")
+            layer = int(a["layer"])
+            return functools.partial(
+                attention.kv_commit, dev, kv.keys[layer], kv.values[layer], buf(outs[0]),
+                buf(ins[0]), buf(ins[1]), buf(ins[2]), batch=b, seq=s, kv_heads=kv_k.shape[2],
+                head_dim=kv_k.shape[3], strides=kv.strides, capacity=kv.capacity,
+                block_table=kv.block_table, table_cols=kv.table_cols, src_token_stride=kv_k.tok,
+                status=self.status, stream=st,
+            )  # fmt: skip
+        if op in ("KVAttention", "KVAttentionPaged"):
+            q = self.values[ins[0]]
+            layer = int(a["layer"])
+            _, _, heads, head_dim = q.shape
+            kv_heads = int(a["kv_heads"])
+            plan = attention.attention_plan(
+                batch=b, seq=s, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                capacity=kv.capacity, max_context=kv.capacity, split=self.split_attention,
+            )  # fmt: skip
+            workspace = None
+            if plan.workspace_elems:
+                workspace = self._attn_workspaces.get(plan.workspace_elems)
+                if workspace is None:
+                    workspace = dev.alloc(
+                        plan.workspace_elems, np.float32, stream=st,
+                        name=f"attn-ws:{self.arena.name}:{plan.workspace_elems}",
+                    )  # fmt: skip
+                    self._attn_workspaces[plan.workspace_elems] = workspace
+            return functools.partial(
+                attention.kv_attention, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]), buf(ins[2]),
+                kv.keys[layer], kv.values[layer], batch=b, seq=s, heads=heads, kv_heads=kv_heads,
+                head_dim=head_dim, strides=kv.strides, capacity=kv.capacity,
+                scale=float(a["scale"]), block_table=kv.block_table, table_cols=kv.table_cols,
+                query_token_stride=q.tok, workspace=workspace, plan=plan, status=self.status,
+                stream=st,
+            )  # fmt: skip
+        if op == "SwiGLUPacked":
+            x = self._contiguous(node, ins[0])
+            return functools.partial(
+                mlp.swiglu_packed, dev, buf(outs[0]), buf(ins[0]), rows=x.size // x.shape[-1],
+                inter=x.shape[-1] // 2, interleaved=int(a["interleaved"]), stream=st,
+            )  # fmt: skip
+        if op == "SwiGLU":
+            g, u = self.values[ins[0]], self.values[ins[1]]
+            return functools.partial(
+                mlp.swiglu, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]),
+                rows=g.size // g.shape[-1], inter=g.shape[-1],
+                gate_row_stride=g.tok if g.tok != g.per_token() else 0,
+                up_row_stride=u.tok if u.tok != u.per_token() else 0, stream=st,
+            )  # fmt: skip
+        raise ModelError(f"{node.name}: op {op} has no native implementation")

@@ -1,0 +1,138 @@
+"""The native backend on the CPU device: parity with ort, capture semantics, negative oracles."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ep.model import DecoderModel, load_model
+from ep.native import NativeBackend
+from ep.ort import OrtBackend
+from ep_builtin.capture_warmup import WarmupCapture
+from ep_builtin.kv_head_major import HeadMajorLayout
+from ep_builtin.kv_paged import PagedLayout
+from ep_builtin.kv_seq_major import SeqMajorLayout
+from ep_graphs import build_model, load_hf_checkpoint
+
+DATA = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
+PROMPTS = json.loads((DATA / "expected_tokens.json").read_text())["prompts"]
+
+
+@pytest.fixture(scope="module")
+def tiny_ep(tmp_path_factory: pytest.TempPathFactory) -> DecoderModel:
+    spec, weights = load_hf_checkpoint(DATA / "hf")
+    out = tmp_path_factory.mktemp("tiny_ep")
+    build_model(spec, weights, flavour="ep", out_dir=out)
+    return load_model(out)
+
+
+def _greedy(backend, prompts: Sequence[Sequence[int]], steps: int, reserve: int = 0) -> np.ndarray:
+    logits = backend.prefill([np.array(p) for p in prompts], reserve=reserve)
+    seen = [logits.copy()]
+    for _ in range(steps):
+        masked = logits.copy()
+        masked[:, 2] = -np.inf
+        logits = backend.step(masked.argmax(axis=1))
+        seen.append(logits.copy())
+    return np.stack(seen)
+
+
+LAYOUTS = {
+    "head_major": lambda: HeadMajorLayout(min_capacity=16),
+    "seq_major": lambda: SeqMajorLayout(min_capacity=16),
+    "seq_major_fixed": lambda: SeqMajorLayout(min_capacity=16, fixed_stride=True),
+}
+# Paged layouts are not in the gate yet: the native step faults on the block table (see the
+# report); `PagedLayout` stays imported for the test that will be added with the fix.
+assert PagedLayout
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_native_matches_ort_bitwise_batch_and_solo(tiny_ep: DecoderModel, layout: str) -> None:
+    prompts = PROMPTS[:2]
+    ort_logits = _greedy(OrtBackend(tiny_ep, LAYOUTS[layout]()), prompts, 24)
+    eager = _greedy(NativeBackend(tiny_ep, LAYOUTS[layout]()), prompts, 24)
+    captured_backend = NativeBackend(tiny_ep, LAYOUTS[layout](), capture=WarmupCapture(steps=1))
+    captured = _greedy(captured_backend, prompts, 24)
+    assert np.array_equal(ort_logits, eager)
+    assert np.array_equal(eager, captured)
+    m = captured_backend.capture_metrics
+    assert m.captures > 0 and m.replays > 0 and m.fallbacks == 0
+    # row identity: row 1 of the batch equals the solo run of that prompt
+    solo = _greedy(NativeBackend(tiny_ep, LAYOUTS[layout]()), prompts[1:], 24)
+    # NumPy's CPU matmul rounds M=1 and M=2 differently (BLAS gemv vs gemm), as the ort
+    # backend's does: tokens are identical, logits agree to float32 rounding.
+    assert np.array_equal(solo[:, 0].argmax(-1), eager[:, 1].argmax(-1))
+    np.testing.assert_allclose(solo[:, 0], eager[:, 1], rtol=1e-4, atol=1e-4)
+
+
+def test_fixed_stride_keeps_its_graph_across_growth(tiny_ep: DecoderModel) -> None:
+    b = NativeBackend(
+        tiny_ep, SeqMajorLayout(min_capacity=16, fixed_stride=True), capture=WarmupCapture(1)
+    )
+    _greedy(b, PROMPTS[:2], 40)
+    m = b.capture_metrics
+    assert b.kv.growths > 0
+    assert m.growth_keeps > 0 and m.invalidations == 0 and m.captures == 1
+
+
+def test_head_major_growth_invalidates_and_recaptures(tiny_ep: DecoderModel) -> None:
+    b = NativeBackend(tiny_ep, HeadMajorLayout(min_capacity=16), capture=WarmupCapture(1))
+    _greedy(b, PROMPTS[:2], 40)
+    m = b.capture_metrics
+    assert b.kv.moved_growths > 0
+    assert m.invalidations > 0 and m.captures >= 2 and m.growth_keeps == 0
+
+
+def test_a_graph_wrongly_kept_across_relocation_is_detected(tiny_ep: DecoderModel) -> None:
+    """Negative oracle: a graph captured before a relocating growth, replayed after it, gives
+    wrong logits, and the signature comparison the manager makes flags it."""
+    prompts = PROMPTS[:2]
+    b = NativeBackend(tiny_ep, HeadMajorLayout(min_capacity=16))
+    logits = b.prefill([np.array(p) for p in prompts])
+    plan = b._plan(len(prompts), 1)
+    calls, old_sig = b._calls(plan)
+    with b.device.capture(stream=b.stream) as cap:  # kept by the test, not the manager
+        for call in calls:
+            call()
+    while b.kv.moved_growths == 0:
+        logits = b.step(logits.argmax(axis=1))
+    calls, sig = b._calls(plan)
+    assert old_sig.differences(sig)  # the check the manager makes sees the move
+    nxt = logits.argmax(axis=1).reshape(-1, 1)
+
+    def feed() -> None:
+        plan.input_ids.copy_from_host(nxt, stream=b.stream)
+        plan.positions.copy_from_host(b.lens.reshape(-1, 1), stream=b.stream)
+
+    feed()
+    for call in calls:
+        call()
+    right = plan.logits.to_host(stream=b.stream).copy()
+    feed()
+    cap.graph.launch(stream=b.stream)  # wrongly kept: reads and writes the old cache
+    wrong = plan.logits.to_host(stream=b.stream)
+    assert not np.array_equal(right, wrong)
+
+
+def test_never_policy_counts_no_captures(tiny_ep: DecoderModel) -> None:
+    b = NativeBackend(tiny_ep, HeadMajorLayout())
+    _greedy(b, PROMPTS[:1], 4)
+    m = b.capture_metrics
+    assert (m.enabled, m.captures, m.replays) == (False, 0, 0)
+    assert m.eager_steps == 4
+
+
+def test_offload_not_address_stable_declines_with_inputs(tiny_ep: DecoderModel) -> None:
+    b = NativeBackend(tiny_ep, HeadMajorLayout(), capture=WarmupCapture(0))
+    b.weights.capture_safe = False  # type: ignore[misc]  # an instance of resident, made unsafe
+    b.sources["offload"] = "lru (from config file)"
+    _greedy(b, PROMPTS[:1], 3)
+    m = b.capture_metrics
+    assert m.captures == 0 and m.fallbacks == 3
+    assert m.last_decline["predicate"] == "offload plan is address-stable"
+    assert "from config file" in m.last_decline["inputs"]["offload"]
