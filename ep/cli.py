@@ -301,12 +301,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
         # Each config key's source, so a declined capture can say where its inputs came from.
         sources = {key: config.source(key) for key in config.settings}
         sources.update(capture=config.source("decode.capture"))
-        sources.update(offload=config.source("decode.offload"))
+        # The policy and where it came from: "'lru' (from command line --offload)".
+        sources.update(offload=config.describe("decode.offload"))
         backend = NativeBackend(
             model,
             layout,
             device=config["decode.device"],
             capture=config.create("capture"),
+            offload=config.create("offload"),
+            budget=config.budget,
             sources=sources,
         )
     generator = Generator(
@@ -327,6 +330,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         capture = getattr(generator.backend, "capture_metrics", None)
         if capture is not None:
             out["metrics"]["capture"] = capture.to_dict()
+        offload = getattr(generator.backend, "offload_counters", None)
+        if offload is not None:  # the native backend's weight store (issue 8)
+            out["metrics"]["offload"] = offload
         out["finish_reasons"] = list(result.finish_reasons)
         if result.notes:
             out["notes"] = list(result.notes)

@@ -6,6 +6,13 @@ the (batch, width) plan eagerly; each decode step runs the (batch, 1) plan throu
 into this project's ops first (`ep.rewrite.rewrite_model`, cached under
 ``default_cache_dir()/native``). CPU runs the kernels' NumPy twins on the CPU device; CUDA the
 kernels themselves: one executor.
+
+Weights: by default every initializer is resident (`ResidentWeights`). With ``offload=`` (an
+offload policy) and ``budget=``, the weights go into an `ep.offload.WeightStore` on this
+backend's stream: resident ones are bound once, the others fetched by their kernel's call at every
+step; each prefill and decode step is bracketed by ``begin_step`` / ``end_step(tokens=batch)``
+and captures and replays are reported to the store (`CaptureManager`). `offload_counters` is
+``metrics.offload`` of ``genai-ep run --json``.
 """
 
 from __future__ import annotations
@@ -17,15 +24,21 @@ from typing import Any
 
 import numpy as np
 
+from ep.config import Budget, parse_budget
 from ep.device import Device, binding_signature, get_device
-from ep.errors import GenerationError
+from ep.errors import GenerationError, OffloadError
 from ep.model import DecoderModel, default_cache_dir, load_model
 from ep.native.capture import CaptureManager, CaptureMetrics
 from ep.native.kv import DeviceKVCache
-from ep.native.plan import KVBinding, StepPlan
-from ep.native.program import load_program
-from ep.native.weights import ResidentWeights, WeightSource
-from ep.seams import BindingSignature, CapturePolicy, KVLayout, StepInfo
+from ep.native.plan import KVBinding, StepPlan, weight_reads
+from ep.native.program import Program, load_program
+from ep.native.weights import OffloadedWeights, ResidentWeights, WeightSource
+from ep.offload import AccessTrace, WeightStore, weight_infos
+from ep.seams import BindingSignature, CapturePolicy, KVLayout, OffloadPolicy, StepInfo
+
+# Ops whose initializer inputs stay the executor's own (always resident, never in the store):
+# Rotary's cos/sin tables are derived constants read two at a time.
+_EXECUTOR_TABLES = frozenset({"Rotary"})
 
 __all__ = ["NativeBackend", "as_ep_model"]
 
@@ -58,7 +71,9 @@ class NativeBackend:
         *,
         device: str | Device = "cpu",
         capture: CapturePolicy | None = None,
-        weights: WeightSource | None = None,
+        weights: WeightSource | WeightStore | None = None,
+        offload: OffloadPolicy | None = None,
+        budget: Budget | int | str | None = None,
         sources: Mapping[str, str] | None = None,
         cache_dir: str | Path | None = None,
     ) -> None:
@@ -71,7 +86,21 @@ class NativeBackend:
 
         self.device.compile_all()  # every kernel before any capture
         self.program = load_program(model.onnx_path)
-        self.weights: WeightSource = weights or ResidentWeights(self.device, self.program.arrays)
+        if offload is not None and weights is not None:
+            raise OffloadError(
+                "NativeBackend got both weights= and offload=: pass an offload policy (and "
+                "budget=) for the backend to build the store, or a weight source, not both"
+            )
+        tables = ResidentWeights(self.device, self.program.arrays)
+        self.weights: WeightSource
+        if offload is not None:
+            store = offload_store(self.program, offload, budget, device=self.device,
+                                  stream=self.stream)  # fmt: skip
+            self.weights = OffloadedWeights(store, tables)
+        elif isinstance(weights, WeightStore):
+            self.weights = OffloadedWeights(weights, tables)
+        else:
+            self.weights = weights or tables
         self.status = ep.kernels.new_status(self.device, stream=self.stream)
         self.workspace = matmul_workspace(self.device, stream=self.stream)
         self._inv_freq: dict[tuple[float, int], Any] = {}
@@ -89,10 +118,14 @@ class NativeBackend:
             from ep_builtin.capture_never import NeverCapture
 
             capture = NeverCapture()
-        self.capture = CaptureManager(capture, device=self.device, stream=self.stream)
+        offloaded = self.weights if isinstance(self.weights, OffloadedWeights) else None
+        self.offloaded = offloaded
+        self.capture = CaptureManager(
+            capture, device=self.device, stream=self.stream, weights=offloaded
+        )
         self.sources = dict(sources or {})
         self._plans: dict[tuple[int, int], StepPlan] = {}
-        self._bound: dict[tuple[int, int], tuple[int, list[Any], BindingSignature]] = {}
+        self._bound: dict[tuple[int, int], _Bound] = {}
         self._table: Any = None
         self.lens = np.zeros(0, np.int64)
         self._decoding = False
@@ -108,6 +141,26 @@ class NativeBackend:
     @property
     def capture_metrics(self) -> CaptureMetrics:
         return self.capture.metrics
+
+    @property
+    def offload_counters(self) -> dict[str, int | float] | None:
+        """The store's 11 counters (``metrics.offload``); None when no store is in use."""
+        return None if self.offloaded is None else self.offloaded.counters().to_dict()
+
+    def close(self) -> None:
+        """Give back the offload store's device and pinned memory (the weights' bytes)."""
+        if self.offloaded is not None:
+            self.offloaded.close()
+
+    def _begin_step(self) -> None:
+        if self.offloaded is not None:
+            self.offloaded.begin_step()
+
+    def _end_step(self, tokens: int, fixed: AccessTrace | None) -> None:
+        if self.offloaded is not None:
+            if fixed is not None:  # reads of the weights bound once, which never call get
+                self.offloaded.replayed(fixed)
+            self.offloaded.end_step(tokens)
 
     def _plan(self, batch: int, seq: int) -> StepPlan:
         plan = self._plans.get((batch, seq))
@@ -163,12 +216,19 @@ class NativeBackend:
 
     def _calls(self, plan: StepPlan) -> tuple[list[Any], BindingSignature]:
         """The plan's calls bound to the cache now (rebound only when the cache changed)."""
+        found = self._bind(plan)
+        return found.calls, found.signature
+
+    def _bind(self, plan: StepPlan) -> _Bound:
         key = (plan.batch, plan.seq)
         found = self._bound.get(key)
-        if found is not None and found[0] == self._kv.epoch:
-            return found[1], found[2]
+        if found is not None and found.epoch == self._kv.epoch:
+            return found
         binding = self._kv_binding(plan.batch)
         calls = plan.bind(binding)
+        fixed = None
+        if self.offloaded is not None:
+            fixed = self.offloaded.fixed_reads(plan.bound_weights)
         buffers = [plan.arena, plan.input_ids, plan.positions, plan.logits, *binding.keys]
         buffers += list(binding.values)
         if binding.block_table is not None:
@@ -177,8 +237,9 @@ class NativeBackend:
         s = binding.strides
         geometry = (s.batch, s.token, s.head, s.dim, s.page, s.page_size, binding.capacity)
         sig = BindingSignature((*sig.bindings, ("kv.geometry", 0, geometry, "int64")))
-        self._bound[key] = (self._kv.epoch, calls, sig)
-        return calls, sig
+        bound = _Bound(self._kv.epoch, calls, sig, fixed)
+        self._bound[key] = bound
+        return bound
 
     def _check_faults(self) -> None:
         from ep.kernels import check_faults
@@ -211,10 +272,12 @@ class NativeBackend:
         plan = self._plan(batch, width)
         plan.input_ids.copy_from_host(ids, stream=self.stream)
         plan.positions.copy_from_host(positions, stream=self.stream)
-        calls, _ = self._calls(plan)  # binds (and allocates) the block table first
+        bound = self._bind(plan)  # binds (and allocates) the block table first
         self._upload_table()
-        for call in calls:
+        self._begin_step()
+        for call in bound.calls:
             call()
+        self._end_step(batch, bound.fixed)
         logits = plan.logits.to_host(stream=self.stream)
         self._check_faults()
         self.lens = lens.copy()
@@ -231,7 +294,8 @@ class NativeBackend:
         if kv.pool is not None or int(self.lens.max()) >= kv.capacity:
             kv.prepare(self.lens, self.lens + 1)
         plan = self._plan(batch, 1)
-        calls, sig = self._calls(plan)
+        bound = self._bind(plan)
+        calls, sig = bound.calls, bound.signature
         if kv.epoch != epoch:
             self.capture.revalidate(sig, kv.growths, batch)
         plan.input_ids.copy_from_host(
@@ -254,8 +318,71 @@ class NativeBackend:
                 "offload": self.sources.get("offload", "default"),
             },
         )
+        self._begin_step()
         self.capture.run(info, calls, growths=kv.growths)
+        self._end_step(batch, bound.fixed)
         logits = plan.logits.to_host(stream=self.stream)
         self._check_faults()
         self.lens += 1
         return np.ascontiguousarray(logits[:, 0], dtype=np.float32)
+
+
+class _Bound:
+    """A plan's calls bound at one cache epoch, their signature, and the weights bound once."""
+
+    __slots__ = ("calls", "epoch", "fixed", "signature")
+
+    def __init__(
+        self, epoch: int, calls: list[Any], signature: BindingSignature, fixed: AccessTrace | None
+    ) -> None:
+        self.epoch = epoch
+        self.calls = calls
+        self.signature = signature
+        self.fixed = fixed
+
+
+def offload_store(
+    program: Program,
+    policy: OffloadPolicy,
+    budget: Budget | int | str | None,
+    *,
+    device: Device,
+    stream: Any,
+) -> WeightStore:
+    """The `WeightStore` of ``program``'s weights under ``policy`` and ``budget`` (default 100%).
+
+    The weights are the initializers the kernels read (`weight_reads`), less the executor's own
+    tables, in the order one step reads them. The store gets one staging slot more than the most
+    weights one kernel reads at once (at least 2), and a policy that reserves slots of its own
+    (``slots``, e.g. scan_resistant) must reserve at least as many.
+    """
+    reads = weight_reads(program)
+    tables = {n for r in reads if r.op in _EXECUTOR_TABLES for n in r.weights}
+    order: list[str] = []
+    ops: dict[str, str] = {}
+    together = 1
+    for read in reads:
+        names = [n for n in read.weights if n not in tables]
+        together = max(together, len(names))
+        for name in names:
+            if name not in ops:
+                ops[name] = read.op
+                order.append(name)
+    slots = together + 1
+    reserved = getattr(policy, "slots", None)
+    if isinstance(reserved, int) and not isinstance(reserved, bool):
+        if reserved < slots:
+            name = getattr(policy, "name", type(policy).__name__)
+            raise OffloadError(
+                f"offload policy {name!r} reserves {reserved} staging slots, but this model has "
+                f"kernels that read {together} streamed weights at once, which needs {slots}; "
+                f"set --set offload.{name}.slots={slots}"
+            )
+        slots = reserved
+    arrays = {name: np.ascontiguousarray(program.arrays[name]) for name in order}
+    if budget is None:
+        budget = "100%"
+    if isinstance(budget, str):
+        budget = parse_budget(budget)
+    infos = weight_infos(arrays, order, ops=ops)
+    return WeightStore(device, arrays, infos, policy, budget, stream=stream, slots=slots)

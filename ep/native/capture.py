@@ -6,6 +6,11 @@ compared with the bindings now: equal keeps it, different drops it, tells the po
 ``invalidated`` and captures again). A capture that raises is reported to the policy
 (``captured(key, False, error)``) and the step runs eagerly. `CaptureMetrics` is what
 ``metrics.capture`` of ``genai-ep run --json`` shows.
+
+With an offload store (``weights``: an `ep.native.weights.OffloadedWeights`), a capture is
+bracketed by ``weights.begin_capture()`` / ``weights.end_capture()`` and every launch of the
+graph (the one after its capture too) is reported with ``weights.replayed(trace)``: a replay
+copies the streamed weights without asking the store.
 """
 
 from __future__ import annotations
@@ -13,13 +18,23 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from ep.device import Device, Graph, Stream
 from ep.errors import ContractError, DeviceError, EPError
 from ep.seams import BindingSignature, CaptureDecision, CapturePolicy, StepInfo
 
-__all__ = ["CaptureManager", "CaptureMetrics"]
+__all__ = ["CaptureManager", "CaptureMetrics", "CaptureWeights"]
+
+
+class CaptureWeights(Protocol):
+    """The offload store's capture hooks (`ep.offload.WeightStore` has them)."""
+
+    def begin_capture(self) -> None: ...
+
+    def end_capture(self) -> Any: ...
+
+    def replayed(self, trace: Any) -> None: ...
 
 
 @dataclass
@@ -46,15 +61,24 @@ class _Kept:
     graph: Graph
     signature: BindingSignature
     growths: int  # the cache's growth count when captured or last kept
+    trace: Any = None  # the offload store's AccessTrace of the captured step (None: no store)
 
 
 class CaptureManager:
     """Runs steps through ``policy`` on ``device``/``stream``; keeps graphs per key."""
 
-    def __init__(self, policy: CapturePolicy, *, device: Device, stream: Stream) -> None:
+    def __init__(
+        self,
+        policy: CapturePolicy,
+        *,
+        device: Device,
+        stream: Stream,
+        weights: CaptureWeights | None = None,
+    ) -> None:
         self.policy = policy
         self.device = device
         self.stream = stream
+        self.weights = weights
         self.graphs: dict[Hashable, _Kept] = {}
         name = getattr(policy, "name", type(policy).__name__)
         self.metrics = CaptureMetrics(policy=name, enabled=name != "never")
@@ -115,7 +139,7 @@ class CaptureManager:
                 if growths > kept.growths:
                     self.metrics.growth_keeps += 1
                     kept.growths = growths
-                kept.graph.launch(stream=self.stream)
+                self._launch(kept)
                 self.metrics.replays += 1
                 return decision
             self.forget(key, "; ".join(diff))
@@ -137,12 +161,19 @@ class CaptureManager:
         calls: Sequence[Callable[[], object]],
         growths: int,
     ) -> None:
+        weights = self.weights
+        tracing = False
         try:
+            if weights is not None:
+                weights.begin_capture()  # refuses a plan that moves weights, with its reason
+                tracing = True
             with self.device.capture(stream=self.stream) as cap:
                 for call in calls:
                     call()
             graph = cap.graph
         except (DeviceError, EPError) as exc:
+            if tracing and weights is not None:
+                weights.end_capture()  # the recording is discarded: so is its trace
             self.policy.captured(key, False, str(exc))
             self.metrics.fallbacks += 1
             self.metrics.last_decline = {
@@ -152,10 +183,17 @@ class CaptureManager:
             }
             self._eager(calls)
             return
+        trace = weights.end_capture() if weights is not None else None
         self.policy.captured(key, True)
-        self.graphs[key] = _Kept(graph, info.signature, growths)
+        kept = _Kept(graph, info.signature, growths, trace)
+        self.graphs[key] = kept
         self.metrics.captures += 1
-        graph.launch(stream=self.stream)  # a capture records; this step still has to run
+        self._launch(kept)  # a capture records; this step still has to run
+
+    def _launch(self, kept: _Kept) -> None:
+        kept.graph.launch(stream=self.stream)
+        if self.weights is not None and kept.trace is not None:
+            self.weights.replayed(kept.trace)
 
 
 def _default_key(info: StepInfo) -> Hashable:

@@ -7,6 +7,11 @@ buffer, reusing bytes whose value is dead (first fit over lifetimes). `StepPlan.
 nodes into a list of calls of `ep.kernels` wrappers with every buffer fixed; the same list runs
 eagerly or inside a capture. The KV cache's buffers and geometry come in at `bind`, so a plan
 survives cache growth and is only rebound.
+
+Weights: a weight whose address the source says is fixed (``weights.fixed(name, stream=...)``
+returns its buffer: a resident one) is bound once; every other weight is fetched by the call
+itself, ``weights.get(name, stream=...)`` right before its kernel, at every step, in the same
+order (the offload store streams or pages it in then). `weight_reads` lists what each node reads.
 """
 
 from __future__ import annotations
@@ -26,9 +31,92 @@ from ep.native.program import Node, Program
 from ep.native.weights import WeightSource
 from ep.seams import KVStrides
 
-__all__ = ["KVBinding", "StepPlan"]
+__all__ = ["KVBinding", "StepPlan", "WeightRead", "weight_reads"]
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
+_VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no weight read
+# Inputs a node's kernel reads (the rest are the runtime's KV cache and geometry, bound apart).
+_KERNEL_INPUTS = {"KVCommit": 3, "KVCommitPaged": 3, "KVAttention": 3, "KVAttentionPaged": 3}
+
+
+@dataclass(frozen=True)
+class WeightRead:
+    """The weights one working node reads, all at once, in the order its call fetches them."""
+
+    node: str
+    op: str
+    weights: tuple[str, ...]
+
+
+def weight_reads(program: Program) -> list[WeightRead]:
+    """Per working node (in step order), the initializers its kernel reads as weights.
+
+    The same rule as `StepPlan.buffer`: a kernel input that no node produced (BitCast and
+    Identity of an initializer are the initializer itself) and that is not a step input.
+    """
+    produced = {n for n in program.inputs if n in ("input_ids", "positions")}
+    aliases: dict[str, str] = {}
+    reads: list[WeightRead] = []
+    for node in program.nodes:
+        ins = [aliases.get(n, n) for n in node.inputs]
+        if node.op in ("BitCast", "Identity") and ins[0] not in produced:
+            aliases[node.outputs[0]] = ins[0]
+            continue
+        produced.update(node.outputs)
+        if node.op in _VIEWS:
+            continue
+        names = [n for n in ins[: _KERNEL_INPUTS.get(node.op)] if n and n not in produced]
+        if node.op == "MatMul":
+            names.append(aliases.get(str(node.attrs["weight"]), str(node.attrs["weight"])))
+        for name in names:
+            if name not in program.arrays:
+                raise ModelError(
+                    f"{program.path}: node {node.name} ({node.op}) reads {name!r}, which is "
+                    "neither an initializer nor computed by an earlier node; the graph is "
+                    "incomplete (rebuild or re-export it)"
+                )
+        reads.append(WeightRead(node.name, node.op, tuple(names)))
+    return reads
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    """A weight argument fetched by the call itself (its address may change between steps)."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+class _FetchingCall:
+    """A kernel call that gets its deferred weights from ``weights`` right before running."""
+
+    __slots__ = ("_args", "_func", "_kwargs", "_slots", "_stream", "_weights")
+
+    def __init__(self, call: functools.partial[Any], weights: WeightSource, stream: Stream):
+        self._func = call.func
+        self._args = call.args
+        self._kwargs = call.keywords
+        self._weights = weights
+        self._stream = stream
+        self._slots: list[tuple[int | str, str]] = [
+            (i, a.name) for i, a in enumerate(call.args) if isinstance(a, _Deferred)
+        ]
+        self._slots += [(k, a.name) for k, a in call.keywords.items() if isinstance(a, _Deferred)]
+
+    def __call__(self) -> object:
+        args = list(self._args)
+        kwargs = dict(self._kwargs)
+        for where, name in self._slots:
+            buffer = self._weights.get(name, stream=self._stream)
+            if isinstance(where, int):
+                args[where] = buffer
+            else:
+                kwargs[where] = buffer
+        return self._func(*args, **kwargs)
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        return tuple(name for _, name in self._slots)
 
 
 @dataclass
@@ -102,6 +190,7 @@ class StepPlan:
         self.logits = device.alloc(out.shape, out.dtype, stream=stream, name=f"logits:{tag}")
         self._attn_workspaces: dict[int, Buffer] = {}
         self.arena_bytes = self.arena.nbytes
+        self.bound_weights: list[str] = []  # weights bound once by the last `bind`, per read
 
     # --- shapes --------------------------------------------------------------------------------
 
@@ -253,7 +342,7 @@ class StepPlan:
         name = self.aliases.get(name, name)
         v = self.values.get(name)
         if v is None:
-            return self.weights.get(name, stream=self.stream)
+            return self._weight(name)
         if v.base == "input_ids":
             return self.input_ids
         if v.base == "positions":
@@ -262,6 +351,22 @@ class StepPlan:
         count = max(base.size, base.storage) - v.offset
         start = self.offsets[v.base] + v.offset * v.dtype.itemsize
         return self.arena.view(v.dtype, (count,), offset=start, name=f"{self.arena.name}:{name}")
+
+    def _weight(self, name: str) -> Any:
+        """A fixed weight's buffer (bound now), else a `_Deferred` the call fetches each time."""
+        name = self.aliases.get(name, name)
+        fixed = getattr(self.weights, "fixed", None)
+        found = fixed(name, stream=self.stream) if fixed is not None else None
+        if found is not None:
+            self.bound_weights.append(name)
+            return found
+        array = self.program.arrays.get(name)
+        if array is None:
+            raise ModelError(
+                f"the graph reads weight {name!r}, which the model does not hold; the model "
+                "file is incomplete (rebuild or re-export it)"
+            )
+        return _Deferred(name, tuple(int(d) for d in array.shape))
 
     def _contiguous(self, node: Node, name: str) -> _Value:
         v = self.values[name]
@@ -275,9 +380,23 @@ class StepPlan:
     # --- binding -------------------------------------------------------------------------------
 
     def bind(self, kv: KVBinding) -> list[Callable[[], object]]:
-        """Every node as a call with its buffers fixed (run in order: one decode/prefill step)."""
-        skip = ("BitCast", "Identity", "Split", "Reshape")  # views: no work
-        return [self._bind_node(node, kv) for node in self.program.nodes if node.op not in skip]
+        """Every node as a call with its buffers fixed (run in order: one decode/prefill step).
+
+        Weights that are not fixed are fetched by their call (see the module docstring);
+        `bound_weights` lists the ones bound here, once per read.
+        """
+        self.bound_weights = []
+        calls: list[Callable[[], object]] = []
+        for node in self.program.nodes:
+            if node.op in _VIEWS:
+                continue
+            call = self._bind_node(node, kv)
+            if isinstance(call, functools.partial) and any(
+                isinstance(a, _Deferred) for a in (*call.args, *call.keywords.values())
+            ):
+                call = _FetchingCall(call, self.weights, self.stream)
+            calls.append(call)
+        return calls
 
     def _bind_node(self, node: Node, kv: KVBinding) -> Callable[[], object]:
         from ep.kernels import attention, embed, matmul, mlp, norm, rotary
@@ -313,7 +432,7 @@ class StepPlan:
             k = x.shape[-1]
             return functools.partial(
                 matmul.gemm, dev, buf(outs[0]), buf(ins[0]),
-                self.weights.get(str(a["weight"]), stream=st), M=x.size // k, N=int(a["N"]),
+                self._weight(str(a["weight"])), M=x.size // k, N=int(a["N"]),
                 K=k, transpose_b=int(a["transpose_b"]), stream=st,
                 workspace=self.matmul_workspace,
             )  # fmt: skip

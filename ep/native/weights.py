@@ -1,29 +1,37 @@
 """Where the executor gets each weight's device buffer: ``weights.get(name, stream=...)``.
 
-`WeightSource` is the small interface the offload work (`ep.offload`'s ``WeightStore``) plugs
-into later; `ResidentWeights` uploads every initializer once and keeps it (capture-safe: no
-address ever changes).
+`WeightSource` is what `ep.native.plan.StepPlan` calls. `ResidentWeights` uploads every
+initializer once and keeps it (capture-safe: no address ever changes). `OffloadedWeights` puts an
+offload policy's `ep.offload.WeightStore` behind the same interface: a resident weight is bound
+once (``fixed``), every other one is fetched by its call at each step; the step and capture hooks
+(`begin_step`, `end_step`, `begin_capture`, `end_capture`, `replayed`) keep the store's slots and
+ledger in step with what the executor ran.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from ep.device import Buffer, Device, Stream
 from ep.errors import ModelError
+from ep.offload import AccessTrace, OffloadCounters, WeightStore
 
-__all__ = ["ResidentWeights", "WeightSource"]
+__all__ = ["OffloadedWeights", "ResidentWeights", "WeightSource"]
 
 
 @runtime_checkable
 class WeightSource(Protocol):
-    """Gives the device buffer of a weight by name; ``capture_safe``: addresses never change."""
+    """Gives the device buffer of a weight by name; ``capture_safe``: addresses never change.
 
-    capture_safe: bool
-    reason: str
+    Optional: ``fixed(name, *, stream) -> Buffer | None`` (a buffer whose address never changes,
+    bound once by the plan; without it every weight is fetched by its call at each step).
+    """
+
+    @property
+    def capture_safe(self) -> bool: ...
 
     def get(self, name: str, *, stream: Stream) -> Buffer:
         """The weight's device buffer, ready for kernels queued on ``stream`` after this call."""
@@ -55,6 +63,68 @@ class ResidentWeights:
         self._buffers[name] = buf
         return buf
 
+    def fixed(self, name: str, *, stream: Stream) -> Buffer | None:
+        """Every weight here has a fixed address: bind it once."""
+        return self.get(name, stream=stream)
+
     @property
     def resident_bytes(self) -> int:
         return sum(b.nbytes for b in self._buffers.values())
+
+
+class OffloadedWeights:
+    """The weights of ``store`` placed by its offload policy; ``tables`` are the executor's own.
+
+    ``tables`` serves the few initializers the store does not hold (the rotary cos/sin tables:
+    derived constants of the position encoding that one kernel reads two at a time), always
+    resident. Every method the executor calls per step is forwarded to the store.
+    """
+
+    def __init__(self, store: WeightStore, tables: ResidentWeights) -> None:
+        self.store = store
+        self.tables = tables
+        self._names = frozenset(store.layout.placements)
+
+    @property
+    def capture_safe(self) -> bool:
+        return self.store.capture_safe
+
+    @property
+    def reason(self) -> str:
+        return f"{self.store.layout.policy}: {self.store.plan.reason}"
+
+    def get(self, name: str, *, stream: Stream) -> Buffer:
+        if name in self._names:
+            return self.store.get(name, stream=stream)
+        return self.tables.get(name, stream=stream)
+
+    def fixed(self, name: str, *, stream: Stream) -> Buffer | None:
+        """A resident weight's buffer (bound once); None for a streamed or cached one."""
+        if name in self._names:
+            return self.store.resident_buffer(name)
+        return self.tables.get(name, stream=stream)
+
+    def fixed_reads(self, names: Sequence[str]) -> AccessTrace:
+        """The store's reads among ``names`` (weights bound once), to count with `replayed`."""
+        return self.store.fixed_reads([n for n in names if n in self._names])
+
+    def begin_step(self) -> None:
+        self.store.begin_step()
+
+    def end_step(self, tokens: int) -> None:
+        self.store.end_step(tokens)
+
+    def begin_capture(self) -> None:
+        self.store.begin_capture()
+
+    def end_capture(self) -> AccessTrace:
+        return self.store.end_capture()
+
+    def replayed(self, trace: AccessTrace) -> None:
+        self.store.replayed(trace)
+
+    def counters(self) -> OffloadCounters:
+        return self.store.counters()
+
+    def close(self) -> None:
+        self.store.close()

@@ -285,6 +285,28 @@ class WeightStore:
             return buffer
         return self._cache_get(info, stream)
 
+    def resident_buffer(self, name: str) -> Buffer | None:
+        """The fixed buffer of a resident weight (None otherwise), for an executor to bind once.
+
+        Not counted as an access: an executor that binds residents once reports their reads
+        each step with ``replayed(store.fixed_reads(names))``, so the ledger still sees them.
+        """
+        self._check_open("resident_buffer")
+        self._info(name)
+        return self._resident.get(name)
+
+    def fixed_reads(self, names: Sequence[str]) -> AccessTrace:
+        """The reads of resident weights bound once (one per name listed), as a trace."""
+        infos = [self._info(n) for n in names]
+        streamed = [i.name for i in infos if self.layout.placements[i.name] != "resident"]
+        if streamed:
+            raise OffloadError(
+                f"fixed_reads: {streamed[:4]} are not resident, so they have no fixed buffer; "
+                "get them at call time with store.get(name, stream=...)"
+            )
+        nbytes = sum(i.nbytes for i in infos)
+        return AccessTrace(tuple(names), len(infos), 0, nbytes, nbytes, 0)
+
     def begin_step(self) -> None:
         """Start a decode step: every earlier buffer is released and slots restart at slot 0.
 
