@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One command for the H200 machine: install, run the GPU tests, run the kernel benchmark.
+# One command for the H200 machine: install, run the GPU tests, run the benchmarks.
 #
 #   bash tools/gpu_run.sh [OUT]        # OUT defaults to $OUT, else ./gpu-results
 #
@@ -50,5 +50,10 @@ echo "== kernel benchmark"
 python3 tools/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench_kernels.log" | tail -60
 bench_rc=${PIPESTATUS[0]}
 
-echo "== summary: cuda tests rc=$cuda_rc, all tests rc=$all_rc, benchmark rc=$bench_rc"
-[ "$cuda_rc" = 0 ] && [ "$all_rc" = 0 ] && [ "$bench_rc" = 0 ]
+echo "== native executor benchmark"
+python3 tools/bench_native.py --device cuda --offload scan_resistant --budget 75% --out "$out" 2>&1 | tee "$out/bench_native.log" | tail -30
+native_rc=${PIPESTATUS[0]}
+
+echo "== summary: cuda tests rc=$cuda_rc, all tests rc=$all_rc, kernel benchmark rc=$bench_rc," \
+     "native benchmark rc=$native_rc"
+[ "$cuda_rc" = 0 ] && [ "$all_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$native_rc" = 0 ]

@@ -1,0 +1,83 @@
+"""tools/bench_native.py runs and writes its JSON (CPU smoke runs: times are not asserted)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL_QWEN = "hidden=64,layers=2,heads=4,kv_heads=2,vocab=512,dtype=bf16,type=qwen2,bias=1,tie=1"
+
+
+@pytest.fixture
+def tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # as when run as a script: tools/_bench.py
+    spec = importlib.util.spec_from_file_location(
+        "bench_native", ROOT / "tools" / "bench_native.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench_native", module)  # its dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_mode_times_every_mode_with_equal_tokens(
+    tool: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--batches", "1", "2", "--prompt", "8", "--warmup", "3", "--steps", "3"]
+    argv += ["--repeats", "2", "--offload", "stream", "--budget", "50%"]
+    assert tool.main([*argv, "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
+    data = json.loads((tmp_path / "bench_native.json").read_text())
+    assert data["errors"] == [] and data["tokens_match"] is True
+    assert "onnxruntime" in data["machine"]
+    rows = {(r["mode"], r["batch"]): r for r in data["rows"]}
+    modes = ("ort", "native-never", "native-warmup", "native-offload")
+    assert set(rows) == {(m, b) for m in modes for b in (1, 2)}
+    for row in rows.values():
+        assert row["samples"] == 6 and 0 < row["step_ms"]["min"] <= row["step_ms"]["median"]
+    # the warmup policy captured in the warm-up steps and replayed every timed step
+    warm = rows[("native-warmup", 2)]
+    assert warm["captures_during_timing"] == 0 and warm["capture"]["replays"] >= 6
+    offload = rows[("native-offload", 1)]["offload"]
+    assert offload["htod_bytes_per_step"] > 0
+    assert set(data["ratio_native_over_ort"]) == {f"{m}/ort@{b}" for m in modes[1:] for b in (1, 2)}
+    assert "greedy tokens: identical" in capsys.readouterr().out
+
+
+def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: Path) -> None:
+    argv = ["--device", "cuda", "--run-on", "cpu", "--spec", SMALL_QWEN, "--batches", "1", "16"]
+    argv += ["--prompt", "8", "--warmup", "3", "--steps", "2", "--repeats", "1"]
+    assert tool.main([*argv, "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
+    data = json.loads((tmp_path / "bench_native.json").read_text())
+    assert data["errors"] == [] and data["tokens_match"] is True
+    assert data["floor_ms"] > 0 and data["copy"]["bytes_per_s"] > 0
+    assert data["model"]["weight_bytes"] == sum(
+        p.stat().st_size for p in (tmp_path / "work").glob("*/model.onnx.data")
+    )
+    assert "skipped" in data["hf"]  # the transformers reference needs CUDA
+    assert [(r["mode"], r["batch"]) for r in data["rows"]] == [
+        ("native-capture", 1), ("native-eager", 1), ("native-capture", 16), ("native-eager", 16),
+    ]  # fmt: skip
+    assert set(data["targets"]) >= {"batch1_ms", "tokens_per_s_16_over_1"}
+
+
+def test_a_failing_part_is_recorded_and_fails_the_run(tool: ModuleType, tmp_path: Path) -> None:
+    argv = ["--model", str(tmp_path / "absent"), "--out", str(tmp_path), "--repeats", "1"]
+    assert tool.main(argv) == 1
+    data = json.loads((tmp_path / "bench_native.json").read_text())
+    assert data["errors"] and "absent" in data["errors"][0]["error"]
+
+
+def test_differing_tokens_are_reported(tool: ModuleType) -> None:
+    same = [tool.ModeRun("ort", 1, tokens=[[[5, 6]]]), tool.ModeRun("native", 1, tokens=[[[5, 6]]])]
+    assert tool.token_mismatches(same, reference="ort") == []
+    differ = [same[0], tool.ModeRun("native", 1, tokens=[[[5, 7]]])]
+    assert tool.token_mismatches(differ, reference="ort") == [
+        "native batch 1 repeat 0: tokens differ from ort"
+    ]
