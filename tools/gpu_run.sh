@@ -39,20 +39,20 @@ python3 -m ep.cli kernels --json >"$out/kernels.json" || { echo "kernel compile 
 
 echo "== GPU tests"
 python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests \
-    2>&1 | tee "$out/pytest-cuda.log" | tail -40
+    2>&1 | tee "$out/pytest-cuda.log" | tail -15
 cuda_rc=${PIPESTATUS[0]}
 
-echo "== whole suite on the GPU machine"
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest-all.log" | tail -5
-all_rc=${PIPESTATUS[0]}
-
 echo "== kernel benchmark"
-python3 tools/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench_kernels.log" | tail -60
+python3 tools/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench_kernels.log" | tail -12
 bench_rc=${PIPESTATUS[0]}
 
 echo "== native executor benchmark"
 python3 tools/bench_native.py --device cuda --offload scan_resistant --budget 75% --out "$out" 2>&1 | tee "$out/bench_native.log" | tail -30
 native_rc=${PIPESTATUS[0]}
+
+echo "== whole suite on the GPU machine"
+python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest-all.log" | tail -5
+all_rc=${PIPESTATUS[0]}
 
 echo "== summary: cuda tests rc=$cuda_rc, all tests rc=$all_rc, kernel benchmark rc=$bench_rc," \
      "native benchmark rc=$native_rc"
