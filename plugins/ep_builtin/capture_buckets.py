@@ -1,8 +1,10 @@
 """The ``buckets`` capture policy: a configured set of batch sizes is captured on first sight.
 
 Keys whose batch is in ``batches`` are captured at their first decode step and replayed after;
-other batches run eagerly with the set as the reason. (Padding a batch up to the nearest
-captured size is not done by the native backend yet: such a batch runs eagerly.)
+other batches run eagerly with the set as the reason. `BucketsCapture.pad_to` gives the nearest
+captured size at or above a batch: the native backend runs such a batch at that size, with padding
+rows (position -1: nothing written or attended) after the real ones, so it is captured too; a
+batch above every listed size runs at its own size, eagerly.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ class BucketsCapture:
         self.batches = batches
         self._kept: set[Hashable] = set()
         self._failed: dict[Hashable, str] = {}
+
+    def pad_to(self, batch: int) -> int:
+        """The smallest configured size >= ``batch`` (``batch`` itself when none is)."""
+        return next((b for b in sorted(self.batches) if b >= batch), batch)
 
     def decide(self, step: StepInfo) -> CaptureDecision:
         key = (step.batch, step.capacity, step.phase)

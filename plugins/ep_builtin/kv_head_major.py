@@ -21,7 +21,7 @@ from ep.hookspecs import hookimpl
 from ep.registry import Option, Register
 from ep.seams import ByteRange, CopyRange, GrowthPlan, KVGeometry, KVStrides
 
-__all__ = ["HeadMajorLayout", "capacity_bucket"]
+__all__ = ["HeadMajorLayout", "capacity_bucket", "power_of_two"]
 
 
 def capacity_bucket(needed: int, *, minimum: int, context: int) -> int:
@@ -102,7 +102,8 @@ def _make(options: Mapping[str, Any]) -> HeadMajorLayout:
     return HeadMajorLayout(min_capacity=options["min_capacity"])
 
 
-def _power_of_two(value: int) -> str:
+def power_of_two(value: int) -> str:
+    """Option check shared by the layouts' capacity and page-size options."""
     return "" if value > 0 and value & (value - 1) == 0 else "must be a power of two >= 1"
 
 
@@ -112,9 +113,7 @@ def ep_register_kv_layouts(register: Register) -> None:
         "head_major",
         _make,
         options=[
-            Option(
-                "min_capacity", int, 16, "smallest capacity bucket (tokens)", check=_power_of_two
-            )
+            Option("min_capacity", int, 16, "smallest capacity bucket (tokens)", check=power_of_two)
         ],
         description="[B, Hkv, C, D]; the past/present layout of onnxruntime-genai models",
     )

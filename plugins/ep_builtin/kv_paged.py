@@ -35,7 +35,7 @@ import numpy as np
 from ep.hookspecs import hookimpl
 from ep.registry import Option, Register
 from ep.seams import ByteRange, GrowthPlan, KVGeometry, KVStrides
-from ep_builtin.kv_head_major import capacity_bucket
+from ep_builtin.kv_head_major import capacity_bucket, power_of_two
 
 __all__ = ["PagedLayout"]
 
@@ -118,23 +118,19 @@ def _make(options: Mapping[str, Any]) -> PagedLayout:
     return PagedLayout(page_size=options["page_size"], min_capacity=options["min_capacity"])
 
 
-def _power_of_two(value: int) -> str:
-    return "" if value > 0 and value & (value - 1) == 0 else "must be a power of two >= 1"
-
-
 @hookimpl(trylast=True)
 def ep_register_kv_layouts(register: Register) -> None:
     register.add(
         "paged",
         _make,
         options=[
-            Option("page_size", int, 16, "tokens per page", check=_power_of_two),
+            Option("page_size", int, 16, "tokens per page", check=power_of_two),
             Option(
                 "min_capacity",
                 int,
                 16,
                 "smallest capacity bucket (tokens; at least one page)",
-                check=_power_of_two,
+                check=power_of_two,
             ),
         ],
         description="pages of page_size tokens [P, page_size, Hkv, D] + a block table per "

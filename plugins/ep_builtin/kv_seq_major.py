@@ -28,7 +28,7 @@ from typing import Any
 from ep.hookspecs import hookimpl
 from ep.registry import Option, Register
 from ep.seams import ByteRange, CopyRange, GrowthPlan, KVGeometry, KVStrides
-from ep_builtin.kv_head_major import capacity_bucket
+from ep_builtin.kv_head_major import capacity_bucket, power_of_two
 
 __all__ = ["SeqMajorLayout", "relocation_copies"]
 
@@ -148,10 +148,6 @@ def _make(options: Mapping[str, Any]) -> SeqMajorLayout:
     )
 
 
-def _power_of_two(value: int) -> str:
-    return "" if value > 0 and value & (value - 1) == 0 else "must be a power of two >= 1"
-
-
 @hookimpl(trylast=True)
 def ep_register_kv_layouts(register: Register) -> None:
     register.add(
@@ -159,7 +155,7 @@ def ep_register_kv_layouts(register: Register) -> None:
         _make,
         options=[
             Option(
-                "min_capacity", int, 16, "smallest capacity bucket (tokens)", check=_power_of_two
+                "min_capacity", int, 16, "smallest capacity bucket (tokens)", check=power_of_two
             ),
             Option(
                 "fixed_stride",
