@@ -650,18 +650,7 @@ def _inspect(
             "giving it; add a genai_config.json with num_key_value_heads and head_size"
         )
 
-    if logits.dtype not in _KV_DTYPES or len(logits.shape) != 3:
-        raise ModelError(
-            f"{where}: logits {logits.name!r} are {logits.dtype} of shape {list(logits.shape)}; "
-            f"expected [batch, sequence, vocab] in one of {_KV_DTYPES}"
-        )
-    vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else None
-    vocab = _agree(vocab, mcfg.get("vocab_size"), "vocab_size (logits width)", where)
-    if vocab is None:
-        raise ModelError(
-            f"{where}: the logits shape {list(logits.shape)} does not fix the vocabulary size "
-            "and no genai_config.json gives vocab_size; add one"
-        )
+    vocab = _vocab_size(logits, mcfg, where)
 
     domains = {(n.domain, n.op_type) for n in graph.node}
     for fn in model.functions:
@@ -868,18 +857,7 @@ def _inspect_runtime_kv(
         )
     head_dim = int(head_size)
 
-    if logits.dtype not in _KV_DTYPES or len(logits.shape) != 3:
-        raise ModelError(
-            f"{where}: logits {logits.name!r} are {logits.dtype} of shape {list(logits.shape)}; "
-            f"expected [batch, sequence, vocab] in one of {_KV_DTYPES}"
-        )
-    vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else None
-    vocab = _agree(vocab, mcfg.get("vocab_size"), "vocab_size (logits width)", where)
-    if vocab is None:
-        raise ModelError(
-            f"{where}: the logits shape {list(logits.shape)} does not fix the vocabulary size "
-            "and no genai_config.json gives vocab_size; add one"
-        )
+    vocab = _vocab_size(logits, mcfg, where)
 
     limit = _rotary_table_rows(graph, initializers)
     ctx = _context_length(context_length, mcfg.get("context_length"), limit, where)
@@ -925,6 +903,23 @@ def _inspect_runtime_kv(
         padding="left",
         num_heads=int(num_heads) if num_heads else None,
     )
+
+
+def _vocab_size(logits: Any, mcfg: Mapping[str, Any], where: str) -> int:
+    """The logits' width, checked against genai_config.json's vocab_size."""
+    if logits.dtype not in _KV_DTYPES or len(logits.shape) != 3:
+        raise ModelError(
+            f"{where}: logits {logits.name!r} are {logits.dtype} of shape {list(logits.shape)}; "
+            f"expected [batch, sequence, vocab] in one of {_KV_DTYPES}"
+        )
+    vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else None
+    vocab = _agree(vocab, mcfg.get("vocab_size"), "vocab_size (logits width)", where)
+    if vocab is None:
+        raise ModelError(
+            f"{where}: the logits shape {list(logits.shape)} does not fix the vocabulary size "
+            "and no genai_config.json gives vocab_size; add one"
+        )
+    return int(vocab)
 
 
 def _context_length(given: int | None, configured: Any, table_rows: int | None, where: str) -> int:
