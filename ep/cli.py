@@ -311,6 +311,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             offload=config.create("offload"),
             budget=config.budget,
             sources=sources,
+            sync_every=config["decode.sync_every"],
         )
     generator = Generator(
         model,

@@ -4,7 +4,9 @@
 projection), rounded once to the dtype, as NumPy's same-dtype add does. ``native_cast_f32_<dt>``:
 ``out = float32(x)`` (the logits ``Cast`` of fp16/bf16 graphs). ``native_advance``: the device
 token loop's bookkeeping after sampling: the sampled id goes to the input ids and to slot
-``slot`` of the token history, and every live position (>= 0) moves one forward. Each has a NumPy
+``slot`` of the token history, and every live position (>= 0) moves one forward.
+``native_mask_ids_<dt>``: ``logits[b, ids[i]] = -inf`` for every row and listed id (EOS and stop
+ids before ``min_new_tokens``), so the argmax that follows never picks them. Each has a NumPy
 twin, so the CPU device runs the same calls.
 """
 
@@ -21,7 +23,7 @@ from ep.kernels._common import (
     threads_for,
 )
 
-__all__ = ["add_bias", "advance", "cast_f32"]
+__all__ = ["add_bias", "advance", "cast_f32", "mask_ids"]
 
 _ADD = r"""
 extern "C" __global__ void KERNEL(T* out, const T* x, const T* bias, i64 rows, i64 cols) {
@@ -47,6 +49,16 @@ extern "C" __global__ void native_advance(
     input_ids[b] = sampled[b];
     history[slot * batch + b] = sampled[b];
     if (positions[b] >= 0) positions[b] += 1;
+}
+"""
+
+
+_MASK = r"""
+extern "C" __global__ void KERNEL(T* logits, const long long* ids, long long batch,
+                                  long long count, long long stride) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= batch * count) return;
+    logits[(i / count) * stride + ids[i % count]] = from_f32<T>(__int_as_float(0xff800000u));
 }
 """
 
@@ -78,10 +90,20 @@ def _advance_cpu(
     positions[:b][live] += 1
 
 
+def _mask_cpu(
+    logits: np.ndarray, ids: np.ndarray, batch: np.int64, count: np.int64, stride: np.int64
+) -> None:
+    rows = np.arange(int(batch), dtype=np.int64)[:, None] * int(stride)
+    logits[(rows + ids[: int(count)][None, :]).reshape(-1)] = -np.inf
+
+
 ADD_KERNELS = register_per_dtype(
     "native_add_bias", _ADD, ("T*", "T*", "T*", "i64", "i64"), _add_cpu
 )
 CAST_KERNELS = register_per_dtype("native_cast_f32", _CAST, ("f32*", "T*", "i64"), _cast_cpu)
+MASK_KERNELS = register_per_dtype(
+    "native_mask_ids", _MASK, ("T*", "i64*", "i64", "i64", "i64"), _mask_cpu
+)
 ADVANCE_KERNEL = register_one(
     "native_advance", _ADVANCE, ("i64*", "i64*", "i64*", "i64*", "i64", "i64"), _advance_cpu
 )
@@ -145,4 +167,28 @@ def advance(
     grid, threads = _grid(batch)
     dev.kernel(ADVANCE_KERNEL).launch(
         grid, threads, input_ids, positions, history, sampled, batch, slot, stream=stream
+    )
+
+
+def mask_ids(
+    dev: Device,
+    logits: Buffer,
+    ids: Buffer,
+    *,
+    batch: int,
+    count: int,
+    vocab: int,
+    stream: Stream,
+) -> None:
+    """``logits[b, ids[i]] = -inf`` for rows ``b < batch`` of a [batch, vocab] float buffer and
+    the first ``count`` int64 ``ids`` (each in ``[0, vocab)``: the caller checks them)."""
+    op = "MaskIds"
+    suffix = dtype_suffix(logits.dtype, op)
+    check_buffer(op, "logits", logits, batch * vocab, logits.dtype)
+    check_buffer(op, "ids", ids, count, np.dtype(np.int64))
+    if batch * count == 0:
+        return
+    grid, threads = _grid(batch * count)
+    dev.kernel(MASK_KERNELS[suffix].name).launch(
+        grid, threads, logits, ids, batch, count, vocab, stream=stream
     )

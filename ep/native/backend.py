@@ -7,6 +7,18 @@ into this project's ops first (`ep.rewrite.rewrite_model`, cached under
 ``default_cache_dir()/native``). CPU runs the kernels' NumPy twins on the CPU device; CUDA the
 kernels themselves: one executor.
 
+Device token loop (``sync_every`` = k, ``decode.sync_every``): `NativeBackend.steps` runs k greedy
+decode steps with no host synchronisation between them: each step's calls (through the
+`CaptureManager`), a masked argmax (`ep.kernels.sample.argmax`, after ``native_mask_ids`` while
+EOS/stop ids are masked) into the next input ids, and ``native_advance`` (positions + 1, the id
+into a [k, batch] history); then one read of the history. The generator applies stops to the k
+tokens and drops those past a stop. The KV cache is made ready (grown, paged) step by step exactly
+as `step` does, so each step runs at the capacity, and through the graph, that k = 1 would use.
+
+Padding (``buckets``): a capture policy with ``pad_to(batch)`` makes prefill and every decode step
+run at that size, the real rows first and padding rows (pad id, position -1: nothing written or
+attended, length 0) after; only the real rows' logits and tokens are returned.
+
 Weights: by default every initializer is resident (`ResidentWeights`). With ``offload=`` (an
 offload policy) and ``budget=``, the weights go into an `ep.offload.WeightStore` on this
 backend's stream: resident ones are bound once, the others fetched by their kernel's call at every
@@ -19,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +39,9 @@ import numpy as np
 
 from ep.config import Budget, parse_budget
 from ep.device import Device, binding_signature, get_device
-from ep.errors import GenerationError, OffloadError
+from ep.errors import ConfigError, ContractError, GenerationError, OffloadError
 from ep.model import DecoderModel, default_cache_dir, load_model
+from ep.native import _kernels as nk
 from ep.native.capture import CaptureManager, CaptureMetrics
 from ep.native.kv import DeviceKVCache
 from ep.native.plan import KVBinding, StepPlan, weight_reads
@@ -76,7 +90,13 @@ class NativeBackend:
         budget: Budget | int | str | None = None,
         sources: Mapping[str, str] | None = None,
         cache_dir: str | Path | None = None,
+        sync_every: int = 1,
     ) -> None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ConfigError(
+                f"sync_every={sync_every!r}; expected an integer >= 1 (decode steps between host "
+                "synchronisations; set decode.sync_every)"
+            )
         model = as_ep_model(model, cache_dir)
         self.model = model
         self.device = get_device(device)
@@ -127,7 +147,11 @@ class NativeBackend:
         self._plans: dict[tuple[int, int], StepPlan] = {}
         self._bound: dict[tuple[int, int], _Bound] = {}
         self._table: Any = None
-        self.lens = np.zeros(0, np.int64)
+        self.lens = np.zeros(0, np.int64)  # per row the step runs at (padding rows: 0)
+        self._real = 0  # the caller's rows: the first ones
+        self._loop: dict[int, _LoopBuffers] = {}
+        self.decode_syncs = 0  # host synchronisations of decode steps (one per step or steps)
+        self.sync_every = sync_every
         self._decoding = False
 
     # --- Backend --------------------------------------------------------------------------------
@@ -246,7 +270,30 @@ class NativeBackend:
 
         check_faults(self.device, self.status, stream=self.stream)
 
+    def _rows_for(self, batch: int) -> int:
+        """The batch a step runs at: ``batch``, or the capture policy's padded size for it.
+
+        A policy with ``pad_to(batch)`` (``buckets``) pads to its nearest larger captured size;
+        only when the weights keep their addresses, since otherwise nothing is captured and the
+        padding rows would be pure waste.
+        """
+        pad_to = getattr(self.capture.policy, "pad_to", None)
+        if pad_to is None or not getattr(self.weights, "capture_safe", False):
+            return batch
+        rows = pad_to(batch)
+        if isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < batch:
+            raise ContractError(
+                f"capture policy {self.capture.metrics.policy!r} pad_to({batch}) returned "
+                f"{rows!r}; expected an integer >= {batch}"
+            )
+        return int(rows)
+
     def prefill(self, prompts: Sequence[np.ndarray], *, reserve: int = 0) -> np.ndarray:
+        """Logits [batch, vocab] of each prompt's last token (the cache holds the prompts).
+
+        A batch the capture policy pads (``buckets``) runs with padding rows after the real ones
+        from here on: every position -1 (nothing written, nothing attended), length 0.
+        """
         batch = len(prompts)
         lens = np.array([len(p) for p in prompts], dtype=np.int64)
         if batch == 0 or lens.min() == 0:
@@ -257,19 +304,22 @@ class NativeBackend:
                 f"a prompt of {width} tokens leaves no room in the context of "
                 f"{self.model.context_length} tokens"
             )
+        rows = self._rows_for(batch)
         self._decoding = False
         self._bound.clear()
         self._table = None
         kv = self._kv
-        kv.allocate(batch, width + 1, reserve=reserve)
-        kv.prepare(np.zeros(batch, np.int64), lens)
-        pads = width - lens
-        ids = np.full((batch, width), self.model.pad_token_id, dtype=np.int64)
+        padded = np.zeros(rows, np.int64)
+        padded[:batch] = lens
+        kv.allocate(rows, width + 1, reserve=reserve)
+        kv.prepare(np.zeros(rows, np.int64), padded)
+        pads = width - padded
+        ids = np.full((rows, width), self.model.pad_token_id, dtype=np.int64)
         for i, p in enumerate(prompts):
             ids[i, pads[i] :] = p
         positions = np.arange(width, dtype=np.int64)[None, :] - pads[:, None]
         positions[positions < 0] = -1
-        plan = self._plan(batch, width)
+        plan = self._plan(rows, width)
         plan.input_ids.copy_from_host(ids, stream=self.stream)
         plan.positions.copy_from_host(positions, stream=self.stream)
         bound = self._bind(plan)  # binds (and allocates) the block table first
@@ -277,39 +327,38 @@ class NativeBackend:
         self._begin_step()
         for call in bound.calls:
             call()
-        self._end_step(batch, bound.fixed)
+        self._end_step(batch, bound.fixed)  # the real rows' tokens
         logits = plan.logits.to_host(stream=self.stream)
         self._check_faults()
-        self.lens = lens.copy()
+        self.lens = padded
+        self._real = batch
         self._decoding = True
         self._growths_seen = kv.growths
-        return np.ascontiguousarray(logits[:, -1], dtype=np.float32)
+        return np.ascontiguousarray(logits[:batch, -1], dtype=np.float32)
 
-    def step(self, tokens: np.ndarray) -> np.ndarray:
-        if not self._decoding:
-            raise GenerationError("step() before prefill(): run a prefill first")
+    def _decode_once(self, plan: StepPlan, ahead: int) -> None:
+        """One decode step of ``plan`` (its ids and positions already on the device), the
+        cache made ready for the token at ``lens + ahead`` of every real row first."""
         kv = self._kv
-        batch = self.lens.size
+        rows = plan.batch
         epoch = kv.epoch
-        if kv.pool is not None or int(self.lens.max()) >= kv.capacity:
-            kv.prepare(self.lens, self.lens + 1)
-        plan = self._plan(batch, 1)
+        lens = self.lens + ahead
+        lens[self._real :] = 0  # padding rows write nothing
+        if kv.pool is not None or int(lens.max()) >= kv.capacity:
+            stops = lens + 1
+            stops[self._real :] = 0
+            kv.prepare(lens, stops)
         bound = self._bind(plan)
-        calls, sig = bound.calls, bound.signature
         if kv.epoch != epoch:
-            self.capture.revalidate(sig, kv.growths, batch)
-        plan.input_ids.copy_from_host(
-            np.asarray(tokens, dtype=np.int64).reshape(batch, 1), stream=self.stream
-        )
-        plan.positions.copy_from_host(self.lens.reshape(batch, 1), stream=self.stream)
+            self.capture.revalidate(bound.signature, kv.growths, rows)
         self._upload_table()
         weights_stable = bool(getattr(self.weights, "capture_safe", False))
         can, why = True, "every buffer is fixed per (batch, capacity) bucket"
         info = StepInfo(
             phase="decode",
-            batch=batch,
+            batch=rows,
             capacity=kv.bound_capacity,
-            signature=sig,
+            signature=bound.signature,
             offload_address_stable=weights_stable,
             backend_can_capture=can,
             backend_reason=why,
@@ -319,12 +368,122 @@ class NativeBackend:
             },
         )
         self._begin_step()
-        self.capture.run(info, calls, growths=kv.growths)
-        self._end_step(batch, bound.fixed)
+        self.capture.run(info, bound.calls, growths=kv.growths)
+        self._end_step(self._real, bound.fixed)  # the real rows' tokens
+
+    def _upload_step(self, plan: StepPlan, tokens: np.ndarray) -> None:
+        """The step's input ids (padding rows: the pad id) and positions (padding rows: -1)."""
+        batch = self._real
+        ids = np.full((plan.batch, 1), self.model.pad_token_id, dtype=np.int64)
+        given = np.asarray(tokens)
+        if given.size != batch:
+            raise GenerationError(
+                f"step got {given.size} tokens for a batch of {batch}; pass one id per row"
+            )
+        ids[:batch, 0] = given.reshape(-1)
+        positions = self.lens.reshape(plan.batch, 1).copy()
+        positions[batch:] = -1
+        plan.input_ids.copy_from_host(ids, stream=self.stream)
+        plan.positions.copy_from_host(positions, stream=self.stream)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        if not self._decoding:
+            raise GenerationError("step() before prefill(): run a prefill first")
+        plan = self._plan(self.lens.size, 1)
+        self._upload_step(plan, tokens)
+        self._decode_once(plan, 0)
         logits = plan.logits.to_host(stream=self.stream)
         self._check_faults()
-        self.lens += 1
-        return np.ascontiguousarray(logits[:, 0], dtype=np.float32)
+        self.decode_syncs += 1
+        self.lens[: self._real] += 1
+        return np.ascontiguousarray(logits[: self._real, 0], dtype=np.float32)
+
+    def steps(
+        self,
+        tokens: np.ndarray,
+        count: int,
+        *,
+        mask: Sequence[int] | np.ndarray = (),
+        mask_steps: int = 0,
+    ) -> np.ndarray:
+        """``count`` greedy decode steps on the device with one host synchronisation.
+
+        Step j feeds the previous token (``tokens`` for j = 0), takes the argmax of its logits
+        (lowest index on ties, as ``np.argmax``) with the ids in ``mask`` set to -inf while
+        ``j < mask_steps`` (EOS/stop ids before ``min_new_tokens``), and writes it as the next
+        input id; live positions move one forward on the device. Returns the sampled ids
+        [count, batch] (int64), read back once at the end. Stops are the caller's business:
+        every row runs all ``count`` steps.
+        """
+        if not self._decoding:
+            raise GenerationError("steps() before prefill(): run a prefill first")
+        if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
+            raise GenerationError(f"steps(count={count!r}); expected an integer >= 1")
+        count = int(count)
+        room = self.model.context_length - int(self.lens[: self._real].max())
+        if count > room:
+            raise GenerationError(
+                f"steps(count={count}) would write past the context of "
+                f"{self.model.context_length} tokens ({room} left); run at most {room} steps"
+            )
+        vocab = self.model.vocab_size
+        masked = np.asarray(mask, dtype=np.int64).reshape(-1)
+        if masked.size and (masked.min() < 0 or masked.max() >= vocab):
+            raise GenerationError(
+                f"steps(mask=...) holds id {int(masked[(masked < 0) | (masked >= vocab)][0])}, "
+                f"outside the vocabulary [0, {vocab})"
+            )
+        from ep.kernels import sample
+
+        rows = self.lens.size
+        plan = self._plan(rows, 1)
+        loop = self._loop_buffers(rows, count, masked.size)
+        if masked.size:
+            loop.mask.copy_from_host(masked, stream=self.stream)
+        self._upload_step(plan, tokens)
+        for j in range(count):
+            self._decode_once(plan, j)
+            if j < mask_steps and masked.size:
+                nk.mask_ids(self.device, plan.logits, loop.mask, batch=rows,
+                            count=masked.size, vocab=vocab, stream=self.stream)  # fmt: skip
+            sample.argmax(self.device, loop.sampled, plan.logits, batch=rows, vocab=vocab,
+                          stream=self.stream)  # fmt: skip
+            nk.advance(self.device, plan.input_ids, plan.positions, loop.history, loop.sampled,
+                       batch=rows, slot=j, stream=self.stream)  # fmt: skip
+        history = loop.history.to_host(stream=self.stream)  # the one synchronisation
+        self._check_faults()
+        self.decode_syncs += 1
+        self.lens[: self._real] += count
+        out = np.asarray(history).reshape(-1)[: count * rows].reshape(count, rows)
+        return out[:, : self._real].astype(np.int64, copy=True)
+
+    def _loop_buffers(self, rows: int, count: int, masked: int) -> _LoopBuffers:
+        """The device loop's sampled ids, token history and mask ids (grown, never shrunk)."""
+        have = self._loop.get(rows)
+        if have is None or have.steps < count or have.masked < masked:
+            steps = max(count, have.steps if have else 0)
+            width = max(masked, have.masked if have else 0, 1)
+            dev, st = self.device, self.stream
+            have = _LoopBuffers(
+                steps=steps,
+                masked=width,
+                sampled=dev.alloc(rows, np.int64, stream=st, name=f"loop.sampled:b{rows}"),
+                history=dev.alloc((steps, rows), np.int64, stream=st, name=f"loop.hist:b{rows}"),
+                mask=dev.alloc(width, np.int64, stream=st, name=f"loop.mask:b{rows}"),
+            )
+            self._loop[rows] = have
+        return have
+
+
+@dataclass(frozen=True)
+class _LoopBuffers:
+    """Device buffers of the token loop at one batch: room for ``steps`` steps, ``masked`` ids."""
+
+    steps: int
+    masked: int
+    sampled: Any
+    history: Any
+    mask: Any
 
 
 class _Bound:

@@ -1,8 +1,11 @@
 """`Generator`: prefill, then token-by-token decode of a batch, with sampling and stopping.
 
 The hot loop does per step: mask stop ids (until ``min_new_tokens``), pick tokens (argmax or
-`ep.sampling.sample`), check stops, and call the backend's `step`. Nothing large is allocated and
-no plugin hook is called per token; the KV layout object is called only when the cache grows.
+`ep.sampling.sample`), check stops, and call the backend's `step`. A backend with ``sync_every`` > 1
+and ``steps`` (the native one) instead gives k greedy tokens per call, picked on the device; they
+are consumed one per loop turn the same way, so stops and ``min_new_tokens`` act as with k = 1.
+Nothing large is allocated and no plugin hook is called per token; the KV layout object is called
+only when the cache grows.
 """
 
 from __future__ import annotations
@@ -377,14 +380,32 @@ class Generator:
         logits = self.backend.prefill(prompts, reserve=plan.kv_capacity)
         prefill_s = time.perf_counter() - t0
 
+        # The device token loop (native backend, decode.sync_every = k > 1): k greedy steps on
+        # the device per host synchronisation; its tokens are consumed below one at a time, as if
+        # sampled here, so stops apply per token and tokens past a stop or the end are dropped.
+        every = int(getattr(self.backend, "sync_every", 1))
+        device_loop = every > 1 and hasattr(self.backend, "steps")
+        if device_loop and not greedy_fast:
+            notes.append(
+                f"decode.sync_every={every} needs greedy sampling without a repetition penalty; "
+                "ran with sync_every=1"
+            )
+            device_loop = False
+        block: np.ndarray | None = None
+        used = 0
+
         step = 0
         while True:
             top = time.perf_counter()
             if emit:
                 done_before = finished.copy()
-            if step < min_new and stops.size:
-                logits[:, stops if single_stop is None else single_stop] = -np.inf
-            ids = logits.argmax(axis=1) if greedy_fast else sample(logits, sampling, rngs, seen)
+            if block is not None:
+                ids = block[used].copy()
+                used += 1
+            else:
+                if step < min_new and stops.size:
+                    logits[:, stops if single_stop is None else single_stop] = -np.inf
+                ids = logits.argmax(axis=1) if greedy_fast else sample(logits, sampling, rngs, seen)
             if any_finished:
                 ids[finished] = pad
             out[:, step] = ids
@@ -410,7 +431,15 @@ class Generator:
                 top += time.perf_counter() - paused  # the consumer's time is not decode time
             if last:
                 break
-            logits = self.backend.step(ids)
+            if device_loop:
+                if block is None or used == len(block):
+                    count = min(every, max_new - 1 - step)
+                    block = self.backend.steps(  # type: ignore[attr-defined]
+                        ids, count, mask=stops, mask_steps=max(0, min_new - step - 1)
+                    )
+                    used = 0
+            else:
+                logits = self.backend.step(ids)
             step += 1
             step_s.append(time.perf_counter() - top)
 

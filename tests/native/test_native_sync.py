@@ -1,0 +1,184 @@
+"""The device token loop (``decode.sync_every = k``): k greedy steps per host synchronisation give
+the tokens of k = 1, stops and ``min_new_tokens`` included."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ep.cli import main
+from ep.device import Device, cuda_available, get_device
+from ep.errors import ConfigError, GenerationError
+from ep.model import load_model
+from ep.native import NativeBackend
+from ep.native._kernels import advance, mask_ids
+from ep.runtime import GenerationOptions, Generator
+from ep.sampling import SamplingParams
+from ep_builtin.capture_warmup import WarmupCapture
+from ep_builtin.kv_head_major import HeadMajorLayout
+
+TINY = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
+EXPECTED = json.loads((TINY / "expected_tokens.json").read_text())
+N = EXPECTED["new_tokens"]
+PROMPTS = EXPECTED["prompts"]
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GENAI_EP_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(TINY / "genai-fp32")
+
+
+def generator(model, every: int, **options) -> Generator:
+    backend = NativeBackend(model, HeadMajorLayout(), capture=WarmupCapture(), sync_every=every)
+    opts = GenerationOptions(**{"max_new_tokens": N, "min_new_tokens": N, **options})
+    return Generator(model, layout=HeadMajorLayout(), backend=backend, options=opts)
+
+
+@pytest.mark.parametrize("every", [1, 4, 7])
+def test_cli_batch_gives_genai_tokens_for_every_k(capsys, every: int) -> None:
+    argv = [a for p in PROMPTS for a in ("--prompt-ids", ",".join(map(str, p)))]
+    code = main(["run", "--json", "--model", str(TINY / "genai-fp32"), "--backend", "native",
+                 "--capture", "warmup", *argv, "--max-new-tokens", str(N), "--min-new-tokens",
+                 str(N), "--set", f"decode.sync_every={every}"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["tokens"] == EXPECTED["genai-fp32"]
+    assert result["metrics"]["capture"]["captures"] > 0
+    assert result["metrics"]["capture"]["fallbacks"] == 0
+
+
+@pytest.mark.parametrize("every", [4, 7])
+def test_one_host_sync_per_block(model, every: int) -> None:
+    gen = generator(model, every)
+    result = gen.generate(PROMPTS)
+    assert [list(t) for t in result.tokens] == EXPECTED["genai-fp32"]
+    # The first token comes from the prefill's logits; the other N - 1 in blocks of k.
+    assert gen.backend.decode_syncs == -(-(N - 1) // every)  # type: ignore[attr-defined]
+    assert not result.notes
+
+
+def test_stop_inside_a_block_discards_the_tokens_after_it(model) -> None:
+    # Row 0's token 10 is a stop id: with k = 4 it is the 2nd token of the 3rd block.
+    stop = EXPECTED["genai-fp32"][0][10]
+    opts = {"min_new_tokens": 0, "stop_token_ids": (stop,)}
+    want = generator(model, 1, **opts).generate(PROMPTS)
+    got = generator(model, 4, **opts).generate(PROMPTS)
+    assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+    assert got.tokens[0] == tuple(EXPECTED["genai-fp32"][0][:11])
+    assert got.finish_reasons[0] == "stop"
+    assert len(got.tokens[1]) > 11  # the other rows run on past row 0's stop
+
+
+def test_all_rows_stopping_mid_block_ends_generation(model) -> None:
+    row = EXPECTED["genai-fp32"][3]
+    opts = {"min_new_tokens": 0, "stop_token_ids": (row[9],)}
+    want = generator(model, 1, **opts).generate([PROMPTS[3]])
+    got = generator(model, 7, **opts).generate([PROMPTS[3]])
+    assert got.tokens == want.tokens == (tuple(row[: row.index(row[9]) + 1]),)
+
+
+def test_stop_ids_are_masked_on_the_device_until_min_new_tokens(model) -> None:
+    # Row 0's token 5 is a stop id, masked while fewer than 8 tokens exist: the device loop must
+    # mask it too (without the mask it would pick it at step 5 and diverge from k = 1).
+    stop = EXPECTED["genai-fp32"][0][5]
+    opts = {"min_new_tokens": 8, "stop_token_ids": (stop,), "max_new_tokens": 20}
+    want = generator(model, 1, **opts).generate(PROMPTS)
+    got = generator(model, 3, **opts).generate(PROMPTS)
+    assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+    assert got.tokens[0][5] != stop
+
+
+def test_sampling_falls_back_to_one_step_with_a_note(model) -> None:
+    gen = generator(model, 4, max_new_tokens=6, min_new_tokens=0)
+    sampling = SamplingParams(temperature=0.8, seed=3)
+    result = gen.generate([PROMPTS[3]], sampling=sampling)
+    assert any("sync_every=4" in n and "greedy" in n for n in result.notes)
+    assert gen.backend.decode_syncs == 5  # type: ignore[attr-defined]
+
+
+def test_steps_refuses_bad_requests(model) -> None:
+    backend = NativeBackend(model, HeadMajorLayout())
+    with pytest.raises(GenerationError, match="before prefill"):
+        backend.steps(np.array([1]), 2)
+    backend.prefill([np.array(PROMPTS[3])])
+    with pytest.raises(GenerationError, match="expected an integer >= 1"):
+        backend.steps(np.array([1]), 0)
+    with pytest.raises(GenerationError, match="past the context"):
+        backend.steps(np.array([1]), model.context_length)
+    with pytest.raises(GenerationError, match="outside the vocabulary"):
+        backend.steps(np.array([1]), 2, mask=[model.vocab_size])
+    with pytest.raises(GenerationError, match="one id per row"):
+        backend.steps(np.array([1, 2]), 2)
+    with pytest.raises(ConfigError, match="sync_every=0"):
+        NativeBackend(model, HeadMajorLayout(), sync_every=0)
+
+
+def test_stream_yields_the_device_loop_tokens_one_step_at_a_time(model) -> None:
+    stream = generator(model, 4).stream(PROMPTS)
+    steps = [s.tokens for s in stream]
+    assert len(steps) == N
+    assert [list(col) for col in zip(*steps, strict=True)] == EXPECTED["genai-fp32"]
+    assert [list(t) for t in stream.result.tokens] == EXPECTED["genai-fp32"]
+
+
+def _device_or_skip(kind: str) -> Device:
+    if kind == "cuda":
+        ok, reason = cuda_available()
+        if not ok:
+            pytest.skip(reason)
+    return get_device(kind)
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_mask_ids_sets_minus_inf_in_every_row(kind: str) -> None:
+    dev = _device_or_skip(kind)
+    s = dev.default_stream
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((3, 11)).astype(np.float32)
+    buf = dev.alloc((3, 11), np.float32, stream=s)
+    buf.copy_from_host(logits, stream=s)
+    ids = dev.alloc(2, np.int64, stream=s)
+    ids.copy_from_host(np.array([2, 9], np.int64), stream=s)
+    mask_ids(dev, buf, ids, batch=3, count=2, vocab=11, stream=s)
+    want = logits.copy()
+    want[:, [2, 9]] = -np.inf
+    np.testing.assert_array_equal(buf.to_host(stream=s), want)
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_advance_writes_ids_history_and_moves_live_positions(kind: str) -> None:
+    dev = _device_or_skip(kind)
+    s = dev.default_stream
+    i64 = np.int64
+    ids, pos, sampled = (dev.alloc(3, i64, stream=s) for _ in range(3))
+    hist = dev.alloc((2, 3), i64, stream=s)
+    hist.copy_from_host(np.zeros((2, 3), i64), stream=s)
+    pos.copy_from_host(np.array([4, -1, 7], i64), stream=s)
+    sampled.copy_from_host(np.array([5, 6, 8], i64), stream=s)
+    advance(dev, ids, pos, hist, sampled, batch=3, slot=1, stream=s)
+    assert ids.to_host(stream=s).tolist() == [5, 6, 8]
+    assert pos.to_host(stream=s).tolist() == [5, -1, 8]
+    assert hist.to_host(stream=s).tolist() == [[0, 0, 0], [5, 6, 8]]
+
+
+@pytest.mark.cuda
+def test_cuda_device_loop_gives_the_tokens_of_one_step_at_a_time(model) -> None:
+    _device_or_skip("cuda")
+    got = {}
+    for every in (1, 4, 7):
+        backend = NativeBackend(model, HeadMajorLayout(), device="cuda",
+                                capture=WarmupCapture(), sync_every=every)  # fmt: skip
+        opts = GenerationOptions(max_new_tokens=N, min_new_tokens=N)
+        gen = Generator(model, layout=HeadMajorLayout(), backend=backend, options=opts)
+        got[every] = gen.generate(PROMPTS).tokens
+        assert backend.decode_syncs == -(-(N - 1) // every)
+    assert got[1] == got[4] == got[7]
