@@ -22,3 +22,15 @@ def test_readme_python_example_runs(index: int, monkeypatch: pytest.MonkeyPatch)
         pytest.skip("the plugin example is tested as an installed package")
     monkeypatch.chdir(ROOT)
     exec(compile(block, f"README.md python block {index}", "exec"), {})
+
+
+def test_readme_config_example_is_valid(tmp_path: Path) -> None:
+    from ep.config import load_config
+    from ep.plugins import PluginHost
+
+    blocks = re.findall(r"```toml\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.S)
+    config_block = next(b for b in blocks if "[decode]" in b)
+    path = tmp_path / "genai-ep.toml"
+    path.write_text(config_block)
+    config = load_config(PluginHost(environ={}).registry, config_file=path, environ={})
+    assert config["offload.budget"] == "50%" and config["decode.sync_every"] == 1
