@@ -273,17 +273,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     _, config = host_and_config(args)
     bundled = args.model is None
-    # --- KV layout (issue 5): only ep graphs read a layout other than dense head-major (see
-    # ep.ort.backend). A Hugging Face checkpoint or a spec, which `run` converts anyway, is
-    # converted to the ep flavour for such a layout; a given graph (onnxruntime-genai folder,
-    # .onnx) is loaded as it is and refused at the first step with the rewrite command to run.
+    layout = config.create("kv_layout")
+    # Only ep graphs read a KV layout other than dense head-major (ep.ort.backend). A Hugging
+    # Face checkpoint or a spec, which `run` converts anyway, is converted to the ep flavour for
+    # such a layout; a given graph (onnxruntime-genai folder, .onnx) is loaded as it is and
+    # refused at the first step with the rewrite command to run.
     from ep.ort.backend import gqa_can_bind
 
     source = str(DEFAULT_MODEL) if bundled else args.model
     spec_flavour = source.startswith("spec:") and ("flavour=" in source or "flavor=" in source)
-    to_ep = not gqa_can_bind(config.create("kv_layout")) and not spec_flavour
+    to_ep = not gqa_can_bind(layout) and not spec_flavour
     model = load_model(source, flavour="ep" if to_ep else None)
-    # --- end of the KV layout block
     prompts: list[str | list[int]] = [*args.prompt, *(_prompt_ids(p) for p in args.prompt_ids)]
     if not prompts:
         if not bundled:
@@ -293,7 +293,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     options = GenerationOptions(
         max_new_tokens=args.max_new_tokens, min_new_tokens=args.min_new_tokens
     )
-    layout = config.create("kv_layout")
     backend: Any = config["decode.backend"]
     if backend == "native":
         from ep.native import NativeBackend
