@@ -48,6 +48,7 @@ from ep.native.plan import KVBinding, StepPlan, weight_reads
 from ep.native.program import Program, load_program
 from ep.native.weights import OffloadedWeights, ResidentWeights, WeightSource
 from ep.offload import AccessTrace, WeightStore, weight_infos
+from ep.runtime.kv import prompt_lengths
 from ep.seams import BindingSignature, CapturePolicy, KVLayout, OffloadPolicy, StepInfo
 
 # Ops whose initializer inputs stay the executor's own (always resident, never in the store):
@@ -295,15 +296,7 @@ class NativeBackend:
         from here on: every position -1 (nothing written, nothing attended), length 0.
         """
         batch = len(prompts)
-        lens = np.array([len(p) for p in prompts], dtype=np.int64)
-        if batch == 0 or lens.min() == 0:
-            raise GenerationError("prefill needs at least one prompt and no empty prompt")
-        width = int(lens.max())
-        if width >= self.model.context_length:
-            raise GenerationError(
-                f"a prompt of {width} tokens leaves no room in the context of "
-                f"{self.model.context_length} tokens"
-            )
+        lens, width = prompt_lengths(prompts, self.model.context_length)
         rows = self._rows_for(batch)
         self._decoding = False
         self._bound.clear()

@@ -20,7 +20,7 @@ import numpy as np
 
 from ep.device import Device, Stream
 from ep.errors import GenerationError
-from ep.runtime.kv import KVCache, _intersect, _merge, _subtract
+from ep.runtime.kv import KVCache
 from ep.seams import GrowthPlan, KVGeometry, KVLayout
 
 __all__ = ["DeviceKVCache"]
@@ -148,7 +148,7 @@ class DeviceKVCache(KVCache):
                             stream=stream,
                         )
             self._committed = after
-            self._zero(self._stale_device(plan, old, before * item))
+            self._zero(self._stale(plan, old, before * item))
             return
         self._reserve = max(self._reserve, elements * item)
         fresh = self._new_roots(self._reserve)
@@ -171,23 +171,6 @@ class DeviceKVCache(KVCache):
         self._roots = fresh
         self._committed = elements
         self.moved_growths += 1
-
-    def _stale_device(
-        self, plan: GrowthPlan, old: KVGeometry, before: int
-    ) -> list[tuple[int, int]]:
-        new = plan.new
-        after = self._committed * self.dtype.itemsize
-        if new.strides.page_size:
-            return [(before, after)] if after > before else []
-        dirty = _merge(
-            [
-                (before, after),
-                *((c.src_offset, c.src_offset + c.nbytes) for c in plan.copies),
-                *_subtract([(0, before)], self._addressable(old)),
-            ]
-        )
-        idle = _subtract(self._addressable(new), self._live(new, self.live_lengths))
-        return _intersect(idle, dirty)
 
     def _map_pages(self, first: np.ndarray, last: np.ndarray) -> None:
         if not self.host_readable and self.pool is not None and self.pool.shared_pages:

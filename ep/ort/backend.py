@@ -74,7 +74,7 @@ from ep.ops.runtime import (
     set_weight_resolver,
 )
 from ep.ort.session import SessionConfig, SessionOptionsHook, create_session
-from ep.runtime.kv import KVCache
+from ep.runtime.kv import KVCache, prompt_lengths
 from ep.seams import KVGeometry, KVLayout
 
 __all__ = [
@@ -246,15 +246,7 @@ class OrtBackend:
             return self._ep.prefill(prompts, reserve=reserve)
         model = self.model
         batch = len(prompts)
-        lens = np.array([len(p) for p in prompts], dtype=np.int64)
-        if batch == 0 or lens.min() == 0:
-            raise GenerationError("prefill needs at least one prompt and no empty prompt")
-        width = int(lens.max())
-        if width >= model.context_length:
-            raise GenerationError(
-                f"a prompt of {width} tokens leaves no room in the context of "
-                f"{model.context_length} tokens"
-            )
+        lens, width = prompt_lengths(prompts, model.context_length)
         self._kv.allocate(batch, width + 1, reserve=reserve)
         g = self._kv.geometry
         assert g is not None
@@ -651,15 +643,7 @@ class _RuntimeKVSteps:
     def prefill(self, prompts: Sequence[np.ndarray], *, reserve: int) -> np.ndarray:
         model, io_names = self.model, self.io
         batch = len(prompts)
-        lens = np.array([len(p) for p in prompts], dtype=np.int64)
-        if batch == 0 or lens.min() == 0:
-            raise GenerationError("prefill needs at least one prompt and no empty prompt")
-        width = int(lens.max())
-        if width >= model.context_length:
-            raise GenerationError(
-                f"a prompt of {width} tokens leaves no room in the context of "
-                f"{model.context_length} tokens"
-            )
+        lens, width = prompt_lengths(prompts, model.context_length)
         kv = self.backend._kv
         self.binding = None
         kv.allocate(batch, width + 1, reserve=reserve)

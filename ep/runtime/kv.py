@@ -36,7 +36,7 @@ from ep.device import CPUDevice, Device, GrowableBuffer
 from ep.errors import ConfigError, ContractError, GenerationError
 from ep.seams import ByteRange, GrowthPlan, KVGeometry, KVLayout
 
-__all__ = ["KVCache", "KVStats", "PagePool", "verify_growth_plan"]
+__all__ = ["KVCache", "KVStats", "PagePool", "prompt_lengths", "verify_growth_plan"]
 
 
 @dataclass(frozen=True)
@@ -844,3 +844,16 @@ def _offsets(
     else:
         base = b * s.batch + t * s.token
     return base + h * s.head + d * s.dim
+
+
+def prompt_lengths(prompts: Sequence[Any], context: int) -> tuple[np.ndarray, int]:
+    """Each prompt's length and the longest, checked to leave room for one new token."""
+    lens = np.array([len(p) for p in prompts], dtype=np.int64)
+    if lens.size == 0 or lens.min() == 0:
+        raise GenerationError("prefill needs at least one prompt and no empty prompt")
+    width = int(lens.max())
+    if width >= context:
+        raise GenerationError(
+            f"a prompt of {width} tokens leaves no room in the context of {context} tokens"
+        )
+    return lens, width
