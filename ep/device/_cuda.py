@@ -10,6 +10,7 @@ shared memory (``cuKernelSetAttribute``). Every failure becomes a `CudaCallError
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -29,7 +30,13 @@ from ep.device._base import (
     _Recording,
 )
 from ep.device._cuda_errors import check_cuda, cuda_error
-from ep.device._kernels import KernelReport, KernelSource, compile_kernel, param_dtype
+from ep.device._kernels import (
+    KernelReport,
+    KernelSource,
+    compile_kernel,
+    param_dtype,
+    pdl_arch,
+)
 from ep.errors import DeviceError
 
 __all__ = ["CUDADevice"]
@@ -93,6 +100,9 @@ class CUDADevice(Device):
         self._pinned = LegacyPinnedMemoryResource()
         self._shared_opt_in: dict[str, int] = {}
         self._launch_configs: dict[tuple[Dim3, Dim3, int], Any] = {}
+        # Programmatic dependent launch: the kernels compiled for this arch open with the PDL
+        # prologue (`ep.device._kernels.PDL_PROLOGUE`); GENAI_EP_PDL=0 launches without it.
+        self.pdl = pdl_arch(str(self.arch)) and os.environ.get("GENAI_EP_PDL", "1") != "0"
         with _call("reading device properties"):
             self.limits = {
                 "max_threads_per_block": int(properties.max_threads_per_block),
@@ -224,6 +234,37 @@ class CUDADevice(Device):
             f"{src.name!r} -> {dst.name!r}",
         )
 
+    def _copy_2d(
+        self,
+        dst: Buffer,
+        dst_offset: int,
+        src: Buffer,
+        src_offset: int,
+        width: int,
+        height: int,
+        dst_pitch: int,
+        src_pitch: int,
+        stream: Stream,
+    ) -> None:
+        from cuda.bindings import driver
+
+        # Unified addressing: the driver finds each side's memory type; capturable (a memcpy
+        # node), unlike a loop of ranged copies it is one call for any number of rows.
+        unified = driver.CUmemorytype.CU_MEMORYTYPE_UNIFIED
+        params = driver.CUDA_MEMCPY2D()
+        params.srcMemoryType = unified
+        params.srcDevice = src.ptr + src_offset
+        params.srcPitch = src_pitch
+        params.dstMemoryType = unified
+        params.dstDevice = dst.ptr + dst_offset
+        params.dstPitch = dst_pitch
+        params.WidthInBytes = width
+        params.Height = height
+        check_cuda(
+            f"cuMemcpy2DAsync ({src.name!r} -> {dst.name!r}, {height} rows of {width} bytes)",
+            driver.cuMemcpy2DAsync(params, stream._native.handle),
+        )
+
     def _upload(self, dst: Buffer, data: np.ndarray, stream: Stream) -> None:
         if dst.location == "host":
             self._stream_sync(stream)  # queued copies may still read or write the pinned buffer
@@ -295,7 +336,12 @@ class CUDADevice(Device):
         if config is None:
             if len(self._launch_configs) > 4096:
                 self._launch_configs.clear()  # bounded: shapes vary with sequence length
-            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
+            extra = {"programmatic_stream_serialization": True} if self.pdl else {}
+            try:
+                config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem, **extra)
+            except TypeError:  # a cuda.core without the PDL attribute: plain launches
+                self.pdl = False
+                config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
             self._launch_configs[(grid, block, shared_mem)] = config
         recording = stream._recording
         target = recording.native if recording is not None else stream._native

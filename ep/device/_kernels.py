@@ -306,7 +306,7 @@ class KernelCache:
         """SHA-256 over everything that changes the cubin."""
         material = {
             "format": _FORMAT_VERSION,
-            "source": source.source,
+            "source": compiled_source(source, arch),
             "arch": arch,
             "options": source.options.key_fields(),
             "nvrtc": nvrtc_version(),
@@ -447,6 +447,41 @@ def cubin_symbols(cubin: bytes) -> frozenset[str]:
         raise KernelCompileError(f"the compiled output is not a readable cubin: {exc}") from exc
 
 
+# Programmatic dependent launch (sm_90 and later): every kernel starts by letting the next
+# kernel in its stream launch (``launch_dependents``: the next one's blocks are scheduled while
+# this one runs, hiding the launch latency) and by waiting for the previous kernel to finish and
+# flush its memory (``wait``). With the wait first in every kernel, each still sees all earlier
+# results, exactly as without PDL; the CUDA device launches with the matching attribute.
+PDL_PROLOGUE = (
+    'asm volatile("griddepcontrol.launch_dependents;\\n\\tgriddepcontrol.wait;" ::: "memory");'
+)
+
+
+def pdl_arch(arch: str) -> bool:
+    """Whether ``arch`` (``sm_XX``) has programmatic dependent launch (compute capability 9+)."""
+    return int(check_arch(arch)[3:].rstrip("af")) >= 90
+
+
+def with_pdl_prologue(text: str, entry: str) -> str:
+    """``text`` with `PDL_PROLOGUE` as the first statement of the ``__global__`` ``entry``."""
+    found = re.search(rf"__global__\b[^;{{]*\b{re.escape(entry)}\s*\(", text)
+    if found is None:
+        raise KernelCompileError(f"kernel {entry!r}: no __global__ function {entry}( in its source")
+    depth, at = 1, found.end()
+    while depth and at < len(text):  # the parameter list's closing parenthesis
+        depth += {"(": 1, ")": -1}.get(text[at], 0)
+        at += 1
+    brace = text.find("{", at)
+    if depth or brace < 0 or text[at:brace].strip():
+        raise KernelCompileError(f"kernel {entry!r}: its body does not follow its parameters")
+    return f"{text[: brace + 1]}\n    {PDL_PROLOGUE}{text[brace + 1 :]}"
+
+
+def compiled_source(source: KernelSource, arch: str) -> str:
+    """The text NVRTC compiles for ``arch``: the source, with the PDL prologue from sm_90 on."""
+    return with_pdl_prologue(source.source, source.entry) if pdl_arch(arch) else source.source
+
+
 def _nvrtc_compile(source: KernelSource, arch: str) -> bytes:
     try:
         from cuda.core import Program, ProgramOptions
@@ -469,7 +504,7 @@ def _nvrtc_compile(source: KernelSource, arch: str) -> bytes:
     log = io.StringIO()
     program = None
     try:
-        program = Program(source.source, "c++", program_options)
+        program = Program(compiled_source(source, arch), "c++", program_options)
         code = program.compile("cubin", logs=log)
         cubin = bytes(code.code)
     except Exception as exc:  # NVRTCError carries the compiler log in its text

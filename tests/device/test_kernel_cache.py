@@ -247,3 +247,22 @@ def test_cuda_headers_compile_bf16_and_fp16(tmp_path) -> None:
 
     with pytest.raises(KernelCompileError, match=r"cuda_bf16\.h"):
         compile_kernel(without, "sm_90", cache=KernelCache(tmp_path))
+
+
+def test_sm90_kernels_open_with_the_pdl_prologue() -> None:
+    from ep.device._kernels import PDL_PROLOGUE, compiled_source, with_pdl_prologue
+
+    text = compiled_source(SCALE, "sm_90")
+    body = text.split("{", 1)[1]
+    assert body.lstrip().startswith(PDL_PROLOGUE)  # the first statement: nothing runs before it
+    assert compiled_source(SCALE, "sm_80") == SCALE.source  # no PDL before compute 9.0
+    assert KernelCache.key(SCALE, "sm_90") != KernelCache.key(SCALE, "sm_80")
+    bounded = (
+        'extern "C" __global__ void __launch_bounds__(256, 2) k(int* a, int (*f)[2]) {\n'
+        "  a[0] = 1;\n}\n"
+    )
+    assert with_pdl_prologue(bounded, "k").index(PDL_PROLOGUE) > bounded.index(") {")
+    with pytest.raises(KernelCompileError, match="body does not follow"):
+        with_pdl_prologue('extern "C" __global__ void k(int* a);', "k")
+    # and it compiles: griddepcontrol is sm_90 PTX
+    assert compile_kernel(SCALE, "sm_90", use_cache=False).cubin[:4] == b"\x7fELF"
