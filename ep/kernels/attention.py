@@ -25,14 +25,22 @@ are few pairs), one warp per query row updates the running max and sum, and each
 accumulates its (row, feature) outputs in registers. Decode is q_tile = 1; prefill uses
 q_tile > 1 (the flash-attention pattern on CUDA cores: correctness first).
 
-Split-K ("flash-decoding"): the context [0, max_context) is cut into ``splits`` chunks along the
-grid's z axis, so a batch-1 decode at 32k context runs hundreds of blocks instead of kv_heads. Each
-block writes its unnormalised output, running max and sum (float32) to a workspace, and
-``kv_attention_reduce_<dt>`` (one block of 256 threads per output row) merges the splits:
-``out = Σ exp(m_i - M) o_i / Σ exp(m_i - M) l_i``. A block whose chunk starts past its queries'
-positions writes an empty partial (max -inf, sum 0). With one split the attention kernel writes
-the output itself. The split count depends only on host-known sizes (batch, seq, capacity or a
-``max_context`` bound), so a captured graph stays valid while positions change.
+Split-K ("flash-decoding"): the grid's z axis holds ``splits`` blocks per (row, KV head), and
+each block takes an equal share of the row's *live* context (its query's position + 1, read on
+the device, rounded up to a loop step), so a batch-1 decode runs many blocks instead of
+kv_heads, and a graph captured for a large capacity still spreads a short context over every
+split. Each block writes its unnormalised output, running max and sum (float32) to a workspace,
+and ``kv_attention_reduce_<dt>`` (one block of 256 threads per output row) merges the splits:
+``out = Σ exp(m_i - M) o_i / Σ exp(m_i - M) l_i``. A block with no share writes an empty partial
+(max -inf, sum 0). With one split the kernel writes the output itself. The split count depends
+only on host-known sizes (batch, seq, capacity or a ``max_context`` bound: at most one split per
+64 slots), so a captured graph stays valid while positions change.
+
+``kv_decode_<dt>`` (one query token per row, 16-byte loads, at most 8 query heads per KV head):
+the same contract and workspace with 128 threads and no shared-memory tiles. L = head_dim / (16
+bytes of elements) lanes read a token's K and V row, so a warp takes 32 / L tokens at a time and
+each lane group keeps its own online softmax for the G query heads (the next token's loads issued
+before this one's arithmetic); groups merge by shuffles, warps through shared memory.
 
 Device data never causes an out-of-bounds access: a query position >= capacity or >= its row's
 committed length outputs zeros and sets `KernelFault.KV_POSITION`; a token whose block-table
@@ -69,6 +77,7 @@ from ep.seams import KVStrides
 __all__ = [
     "AttentionPlan",
     "attention_plan",
+    "attention_workspace",
     "kv_attention",
     "kv_commit",
 ]
@@ -78,6 +87,9 @@ _MAX_ACC = 16  # output rows per thread: R <= 16 * (256 // round_up(head_dim, 4)
 _MAX_ROWS = 64  # query rows (q_tile * G) per block
 _MAX_SPLITS = 1024
 _TARGET_BLOCKS = 264  # two resident blocks per SM on an H200 (132 SMs)
+_MIN_CHUNK = 64  # capacity per split at least (the kernels share the live context out)
+_DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel holds (MAX_G)
+_DECODE_THREADS = 128  # the decode kernel's 4 warps (WARPS)
 _SHARED_BUDGET = 96 * 1024
 _MAX_HEAD_DIM = 256
 
@@ -85,6 +97,13 @@ _MAX_HEAD_DIM = 256
 
 _ADDRESSING = r"""
 #define NEG_INF (__int_as_float(0xff800000u))
+
+// Context tokens per split for a live context of ``live`` tokens: an equal share, rounded up to
+// ``unit`` (a loop step of the kernel).
+static __device__ __forceinline__ i64 split_share(i64 live, int splits, int unit) {
+    const i64 share = (live + splits - 1) / splits;
+    return (share + unit - 1) / unit * unit;
+}
 
 // Element offset of (row b, token t, head 0, feature 0), or -1 when the token cannot be addressed
 // (a fault is set when ``report``). ``span`` = elements one token covers over all heads.
@@ -431,8 +450,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) KERNEL(
     }
     i64 last = -1;
     for (int qi = 0; qi < q_tile; ++qi) last = qpos[qi] > last ? qpos[qi] : last;
-    const i64 begin = (i64)split * chunk;
-    const i64 end = (begin + chunk) < (last + 1) ? (begin + chunk) : (last + 1);
+    // This split's share of the live context [0, last]: cut on the device, so a graph captured
+    // for a large capacity spreads a short context over all its splits.
+    const i64 share = split_share(last + 1, splits, TT);
+    const i64 begin = (i64)split * share;
+    const i64 end = (begin + share) < (last + 1) ? (begin + share) : (last + 1);
 
     float acc[MAX_ACC];
 #pragma unroll
@@ -625,6 +647,196 @@ extern "C" __global__ void __launch_bounds__(256) KERNEL(
 """
 
 
+_DECODE_BODY = (
+    _ADDRESSING
+    + r"""
+#define MAX_G 8
+#define WARPS 4
+
+// Decode (one query token per row): grid (batch, kv_heads, splits), 128 threads = 4 warps. A
+// token's K or V row is read as 16-byte pieces by L = dim / N lanes (N elements a piece), so a
+// warp takes 32 / L tokens at a time; each lane group runs its own online softmax over every
+// G-th token of the chunk for all G query heads of the KV head, with the next token's K and V
+// loads issued before this one's arithmetic. Groups merge by shuffles, warps through shared
+// memory. Same parameters and workspace format as the tiled kernel (q_tile/kv_tile/lanes unused).
+extern "C" __global__ void __launch_bounds__(128) KERNEL(
+    T* out, float* ws, const T* query, const void* __restrict__ positions, int pos_i64,
+    const i64* __restrict__ lengths, const T* kcache, const T* vcache,
+    const void* __restrict__ block_table, i64 table_cols, i64 batch, i64 seq, int heads,
+    int kv_heads, int dim, i64 q_tok, i64 s_batch, i64 s_token, i64 s_head, i64 s_dim,
+    i64 s_page, i64 page_size, i64 capacity, i64 cache_elems, float scale, int q_tile,
+    int kv_tile, int lanes, int splits, i64 chunk, int vec, u32* status) {
+    constexpr int N = Pack<T>::N;
+    __shared__ float sm_m[WARPS][MAX_G], sm_l[WARPS][MAX_G];
+    __shared__ __align__(16) float sm_acc[WARPS][MAX_G][256];
+    __shared__ i64 sm_pos;
+    const int G = heads / kv_heads;
+    const int L = dim / N;  // lanes per token: a power of two <= 32 (the host checks)
+    const int TPW = 32 / L;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int grp = lane / L, sub = lane - grp * L;
+    const i64 b = blockIdx.x;
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int* table = reinterpret_cast<const int*>(block_table);
+    const i64 span = (i64)(kv_heads - 1) * s_head + (i64)(dim - 1) * s_dim + 1;
+    const i64 head_off = (i64)kvh * s_head + (i64)sub * N;
+
+    if (tid == 0) {
+        const i64 committed = lengths[b];
+        i64 p = load_index(positions, b, pos_i64);
+        if (p >= 0 && (p >= capacity || p >= committed)) {
+            if (kvh == 0 && split == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
+            p = -1;
+        }
+        sm_pos = p;
+    }
+    // This lane's slice of the G queries, pre-scaled.
+    float q[MAX_G][N];
+#pragma unroll
+    for (int g = 0; g < MAX_G; ++g) {
+        if (g < G) {
+            load16(query + b * q_tok + (i64)(kvh * G + g) * dim + sub * N, q[g]);
+#pragma unroll
+            for (int i = 0; i < N; ++i) q[g][i] *= scale;
+        }
+    }
+    __syncthreads();
+    const i64 qpos = sm_pos;
+    const i64 share = split_share(qpos + 1, splits, 16);
+    const i64 begin = (i64)split * share;
+    const i64 end = (begin + share) < (qpos + 1) ? (begin + share) : (qpos + 1);
+
+    float m[MAX_G], l[MAX_G], acc[MAX_G][N];
+#pragma unroll
+    for (int g = 0; g < MAX_G; ++g) {
+        m[g] = NEG_INF;
+        l[g] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[g][i] = 0.0f;
+    }
+    const int step = WARPS * TPW;
+    // Warp-uniform trip count (shuffles need every lane); a group past the end computes on zeros.
+    i64 t = begin + warp * TPW + grp;
+    i64 base = -1;
+    float kc[N], vc[N];
+    if (t < end) base = kv_token_base(b, t, table, table_cols, s_batch, s_token, s_page,
+                                      page_size, span, cache_elems, status, kvh == 0);
+#pragma unroll
+    for (int i = 0; i < N; ++i) kc[i] = vc[i] = 0.0f;
+    if (base >= 0) {
+        load16(kcache + base + head_off, kc);
+        load16(vcache + base + head_off, vc);
+    }
+    for (i64 t0 = begin + warp * TPW; t0 < end; t0 += step) {
+        // the next token's loads first
+        const i64 tn = t + step;
+        i64 bn = -1;
+        float kn[N], vn[N];
+#pragma unroll
+        for (int i = 0; i < N; ++i) kn[i] = vn[i] = 0.0f;
+        if (tn < end) {
+            bn = kv_token_base(b, tn, table, table_cols, s_batch, s_token, s_page, page_size,
+                               span, cache_elems, status, kvh == 0);
+            if (bn >= 0) {
+                load16(kcache + bn + head_off, kn);
+                load16(vcache + bn + head_off, vn);
+            }
+        }
+        float sc[MAX_G];
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            float part = 0.0f;
+#pragma unroll
+            for (int i = 0; i < N; ++i) part += q[g][i] * kc[i];
+            for (int o = L >> 1; o > 0; o >>= 1) part += __shfl_xor_sync(0xffffffffu, part, o);
+            sc[g] = part;
+        }
+        if (t < end && base >= 0) {
+#pragma unroll
+            for (int g = 0; g < MAX_G; ++g) {
+                if (g >= G) continue;
+                const float m_new = fmaxf(m[g], sc[g]);
+                const float alpha = m[g] == NEG_INF ? 0.0f : expf(m[g] - m_new);
+                const float pr = expf(sc[g] - m_new);
+                l[g] = l[g] * alpha + pr;
+#pragma unroll
+                for (int i = 0; i < N; ++i) acc[g][i] = acc[g][i] * alpha + pr * vc[i];
+                m[g] = m_new;
+            }
+        }
+        t = tn;
+        base = bn;
+#pragma unroll
+        for (int i = 0; i < N; ++i) {
+            kc[i] = kn[i];
+            vc[i] = vn[i];
+        }
+    }
+    // Merge the lane groups of the warp (xor over the group bits).
+    for (int o = L; o < 32; o <<= 1) {
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            const float mo = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float lo = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float mm = fmaxf(m[g], mo);
+            const float a = m[g] == NEG_INF ? 0.0f : expf(m[g] - mm);
+            const float c = mo == NEG_INF ? 0.0f : expf(mo - mm);
+            l[g] = l[g] * a + lo * c;
+#pragma unroll
+            for (int i = 0; i < N; ++i) {
+                const float ao = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+                acc[g][i] = acc[g][i] * a + ao * c;
+            }
+            m[g] = mm;
+        }
+    }
+    if (grp == 0) {
+#pragma unroll
+        for (int g = 0; g < MAX_G; ++g) {
+            if (g >= G) continue;
+            if (sub == 0) {
+                sm_m[warp][g] = m[g];
+                sm_l[warp][g] = l[g];
+            }
+#pragma unroll
+            for (int i = 0; i < N; ++i) sm_acc[warp][g][sub * N + i] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    // Merge the warps; write the output (one split) or the partial for the reduce kernel.
+    const i64 rows_total = batch * heads;
+    float* ml = ws + rows_total * splits * dim;
+    for (int idx = tid; idx < G * dim; idx += blockDim.x) {
+        const int g = idx / dim, d = idx - g * dim;
+        float mm = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, sm_m[w][g]);
+        float total = 0.0f, sum = 0.0f;
+        if (mm != NEG_INF) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float e = sm_m[w][g] == NEG_INF ? 0.0f : expf(sm_m[w][g] - mm);
+                total += e * sm_l[w][g];
+                sum += e * sm_acc[w][g][d];
+            }
+        }
+        const i64 orow = b * heads + kvh * G + g;
+        if (splits == 1) {
+            out[orow * dim + d] = from_f32<T>(qpos >= 0 && total > 0.0f ? sum / total : 0.0f);
+        } else {
+            const i64 at = orow * splits + split;
+            ws[at * dim + d] = sum;
+            if (d == 0) {
+                ml[2 * at] = mm;
+                ml[2 * at + 1] = total;
+            }
+        }
+    }
+}
+"""
+)
+
+
 def _attention_cpu(
     out: np.ndarray,
     ws: np.ndarray,
@@ -659,7 +871,7 @@ def _attention_cpu(
     vec: np.int32,
     status: np.ndarray,
 ) -> None:
-    # Computes the whole output (the reduce kernel's twin then has nothing left to do).
+    # Computes the whole output, as the last split's merge does on the device.
     nb, ns, hq, hk, d = int(batch), int(seq), int(heads), int(kv_heads), int(dim)
     strides = _strides_of(s_batch, s_token, s_head, s_dim, s_page, page_size)
     pos = positions.view(np.int64 if pos_i64 else np.int32)[: nb * ns].astype(np.int64)
@@ -728,11 +940,21 @@ ATTENTION_KERNELS = register_per_dtype(
     ),
     _attention_cpu,
 )
+
 REDUCE_KERNELS = register_per_dtype(
     "kv_attention_reduce",
     _REDUCE_BODY,
     ("T*", "f32*", "i64", "i32", "i32"),
     _reduce_cpu,
+)
+DECODE_KERNELS = register_per_dtype(
+    "kv_decode",
+    _DECODE_BODY,
+    (
+        "T* void* T* void* i32 i64* T* T* void* i64 i64 i64 i32 i32 i32 i64 "
+        "i64 i64 i64 i64 i64 i64 i64 i64 f32 i32 i32 i32 i32 i64 i32 u32*"
+    ),
+    _attention_cpu,
 )
 
 
@@ -777,9 +999,11 @@ def attention_plan(
     max_context: int | None = None,
     split: bool = True,
     target_blocks: int = _TARGET_BLOCKS,
+    min_chunk: int = _MIN_CHUNK,
 ) -> AttentionPlan:
     """Tiles, lanes and split-K for a launch. ``max_context`` bounds every query's position + 1
-    (default: the capacity); ``split=False`` forces one split (no workspace)."""
+    (default: the capacity); ``split=False`` forces one split (no workspace); a split takes at
+    least ``min_chunk`` context tokens (tests lower it to split short contexts)."""
     op = "KVAttention"
     positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     need(
@@ -815,23 +1039,38 @@ def attention_plan(
     elif base_blocks >= target_blocks:
         reason += f"{base_blocks} blocks already fill the GPU"
     else:
+        # At least _MIN_CHUNK tokens a split: a block's fixed cost (query load, barriers, its
+        # partial and its arrival) is worth that much work, and in a graph captured for a large
+        # capacity the splits past the live context are blocks that only arrive.
         want = min(-(-target_blocks // max(base_blocks, 1)), _MAX_SPLITS)
+        want = max(1, min(want, context // max(min_chunk, 1)))
         while kv_tile > 16 and -(-context // kv_tile) < want:
-            kv_tile //= 2  # a short context: smaller tiles make more splits
-        want = min(want, -(-context // kv_tile))
+            kv_tile //= 2  # chunks shorter than a tile: smaller tiles
+        shared = _shared_bytes(q_tile, rows, kv_tile, d4)
         chunk = round_up(-(-context // want), kv_tile)
         splits = -(-context // chunk)
-        reason = (
-            f"{splits} split(s) of {chunk} tokens: {base_blocks} blocks alone would leave the GPU "
-            f"idle (target {target_blocks})"
-        )
-        shared = _shared_bytes(q_tile, rows, kv_tile, d4)
+        if splits > 1:
+            reason = (
+                f"{splits} split(s) of {chunk} tokens: {base_blocks} blocks alone would leave "
+                f"the GPU idle (target {target_blocks}; at least {min_chunk} tokens a split)"
+            )
+        else:
+            reason += f"a context of {context} tokens is one chunk (< 2 x {min_chunk})"
     lanes = 1
     while lanes < 8 and rows * kv_tile * lanes < _THREADS and d4 // 4 >= 2 * lanes:
         lanes *= 2
     workspace = batch * seq * heads * splits * (head_dim + 2) if splits > 1 else 0
     grid = (batch * n_qtiles, kv_heads, splits)
     return AttentionPlan(q_tile, kv_tile, lanes, splits, chunk, shared, workspace, grid, reason)
+
+
+def attention_workspace(
+    dev: Device, plan: AttentionPlan, *, stream: Stream, name: str = "attention-workspace"
+) -> Buffer | None:
+    """The float32 workspace ``plan`` needs (None with one split). Use one per stream."""
+    if not plan.workspace_elems:
+        return None
+    return dev.alloc(plan.workspace_elems, np.float32, stream=stream, name=name)
 
 
 def _check_strides(op: str, strides: KVStrides) -> None:
@@ -989,9 +1228,10 @@ def kv_attention(
     caches; ``out`` [batch, seq, heads, head_dim] contiguous, zeros for padding rows.
 
     ``lengths`` (int64 [batch]) is KVCommit's output. ``scale`` 0 means 1/sqrt(head_dim).
-    Split-K needs a float32 ``workspace`` of ``plan.workspace_elems`` elements; without one the
-    launch uses one split. ``plan`` (from `attention_plan`) pins the cut, as a captured graph
-    must; otherwise it is chosen here from the sizes and ``max_context``. Returns the plan used.
+    Split-K needs ``workspace`` = `attention_workspace` (``plan.workspace_elems`` float32
+    elements); without one the launch uses one split. ``plan`` (from `attention_plan`)
+    pins the cut, as a captured graph must; otherwise it is chosen here from the sizes and
+    ``max_context``. Returns the plan used.
     """
     op = "KVAttention"
     _check_strides(op, strides)
@@ -1040,8 +1280,8 @@ def kv_attention(
         need(
             workspace is not None,
             op,
-            f"the plan has {plan.splits} splits; pass a float32 workspace of "
-            f"{plan.workspace_elems} elements",
+            f"the plan has {plan.splits} splits; pass workspace=attention_workspace(dev, plan, "
+            "stream=...)",
         )
         assert workspace is not None
         check_buffer(op, "workspace", workspace, plan.workspace_elems, np.dtype(np.float32))
@@ -1054,29 +1294,48 @@ def kv_attention(
         scale = float(np.float32(1.0 / np.sqrt(head_dim)))  # what the reference uses
     per16 = FLOAT_DTYPES[query.dtype][2]
     vec = _vector_ok(strides, head_dim, per16, key_cache, value_cache)
-    kernel = dev.kernel(ATTENTION_KERNELS[suffix].name)
+    decode = _decode_ok(plan, seq, heads // kv_heads, head_dim, per16, vec, query, q_tok)
+    kernel = dev.kernel((DECODE_KERNELS if decode else ATTENTION_KERNELS)[suffix].name)
     kernel.launch(
         plan.grid,
-        _THREADS,
+        _DECODE_THREADS if decode else _THREADS,
         out, ws, query, positions, pos_i64, lengths, key_cache, value_cache, table, cols,
         batch, seq, heads, kv_heads, head_dim, q_tok,
         strides.batch, strides.token, strides.head, strides.dim, strides.page, strides.page_size,
         capacity, key_cache.size, scale, plan.q_tile, plan.kv_tile, plan.lanes, plan.splits,
         plan.chunk, int(vec), status,
         stream=stream,
-        shared_mem=plan.shared_bytes,
+        shared_mem=0 if decode else plan.shared_bytes,
     )  # fmt: skip
     if plan.splits > 1:
         rows = batch * seq * heads
         reduce = dev.kernel(REDUCE_KERNELS[suffix].name)
-        reduce.launch(
-            rows,
-            _THREADS,
-            out,
-            ws,
-            rows,
-            head_dim,
-            plan.splits,
-            stream=stream,
-        )
+        reduce.launch(rows, _THREADS, out, ws, rows, head_dim, plan.splits, stream=stream)
     return plan
+
+
+def _decode_ok(
+    plan: AttentionPlan,
+    seq: int,
+    group: int,
+    head_dim: int,
+    per16: int,
+    vec: bool,
+    query: Buffer,
+    q_tok: int,
+) -> bool:
+    """Whether ``kv_decode`` runs this launch: one query token a row, 16-byte loads of K, V and
+    the query, at most 8 query heads a KV head, a row's 16-byte pieces a power of two <= 32.
+    Otherwise the tiled ``kv_attention`` does (same plan, same workspace format)."""
+    lanes = head_dim // per16
+    return (
+        seq == 1
+        and plan.q_tile == 1
+        and vec
+        and group <= _DECODE_MAX_GROUP
+        and head_dim % per16 == 0
+        and lanes & (lanes - 1) == 0
+        and lanes <= 32
+        and q_tok % per16 == 0
+        and aligned(query)
+    )

@@ -167,6 +167,7 @@ def attend(
         head_dim=d,
         capacity=cache.capacity,
         split=split,
+        min_chunk=16,  # split even these short contexts
     )
     workspace = poisoned(device, max(plan.workspace_elems, 1), F32) if split else None
     out = poisoned(device, q.shape, q.dtype)
@@ -396,6 +397,12 @@ def test_split_k_plans_fill_the_gpu_and_stay_one_split_when_full() -> None:
     assert decode.splits >= 128 and decode.chunk % decode.kv_tile == 0
     assert decode.splits * decode.chunk >= 32768 > (decode.splits - 1) * decode.chunk
     assert decode.workspace_elems == 14 * decode.splits * 66
+    short = attention.attention_plan(
+        batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=2048
+    )  # at most one split per 64 slots (the kernel shares out the live context)
+    assert short.splits == 32 and short.workspace_elems > 0
+    one = attention.attention_plan(batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=100)
+    assert one.splits == 1 and one.workspace_elems == 0 and "one chunk" in one.reason
     busy = attention.attention_plan(
         batch=16, seq=512, heads=14, kv_heads=2, head_dim=64, capacity=4096
     )
@@ -574,3 +581,54 @@ def test_a_plan_for_other_sizes_is_refused(device: Device) -> None:
             status=new_status(device, stream=device.default_stream),
             stream=device.default_stream,
         )
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 8, 128), (16, 2, 64)])
+@pytest.mark.parametrize("live", [1, 40, 300])
+def test_decode_kernel_against_the_reference(
+    device: Device, dtype: np.dtype, heads: int, kv_heads: int, head_dim: int, live: int
+) -> None:
+    """kv_decode (one query a row; G = 7, 1 and 8 query heads a KV head), split and not."""
+    rng = np.random.default_rng(live + heads)
+    batch, capacity = 2, 512
+    cache = make_cache(
+        device,
+        "seq_major",
+        batch=batch,
+        capacity=capacity,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        rng=rng,
+    )
+    lens = [live, max(1, live // 2)]
+    seq = max(lens)
+    shape = (batch, seq, kv_heads, head_dim)
+    pos = left_padded(lens, seq)
+    commit(device, cache, random_kv(rng, shape, dtype), random_kv(rng, shape, dtype), pos)
+    dpos = np.array([[n] for n in lens], dtype=np.int64)
+    one = (batch, 1, kv_heads, head_dim)
+    lengths = commit(device, cache, random_kv(rng, one, dtype), random_kv(rng, one, dtype), dpos)
+    q = rng.standard_normal((batch, 1, heads, head_dim)).astype(dtype)
+    for split in (False, True):
+        got, want, plan = attend(device, cache, q, dpos, lengths, kv_heads=kv_heads, split=split)
+        per16 = 16 // dtype.itemsize
+        assert attention._decode_ok(
+            plan, 1, heads // kv_heads, head_dim, per16, True, upload(device, q), heads * head_dim
+        )
+        assert rel_err(got, want) <= TOL[dtype], (split, plan.splits)
+
+
+def test_decode_kernel_is_chosen_only_where_it_applies(device: Device) -> None:
+    plan = attention.attention_plan(batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=64)
+    q = upload(device, np.zeros((1, 1, 14, 64), BF16))
+    assert attention._decode_ok(plan, 1, 7, 64, 8, True, q, 14 * 64)
+    assert not attention._decode_ok(plan, 1, 9, 64, 8, True, q, 14 * 64)  # > 8 heads a KV head
+    assert not attention._decode_ok(plan, 1, 7, 64, 8, False, q, 14 * 64)  # no 16-byte loads
+    assert not attention._decode_ok(plan, 1, 7, 64, 8, True, q, 14 * 64 + 1)  # odd query stride
+    assert not attention._decode_ok(plan, 1, 7, 48, 8, True, q, 14 * 48)  # 6 pieces a row
+    prefill = attention.attention_plan(
+        batch=1, seq=4, heads=14, kv_heads=2, head_dim=64, capacity=64
+    )
+    assert not attention._decode_ok(prefill, 4, 7, 64, 8, True, q, 14 * 64)
