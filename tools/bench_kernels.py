@@ -19,6 +19,8 @@ shapes is measured as a reference line. Nothing here needs torch.
 
     python tools/bench_kernels.py                 # writes $OUT/bench_kernels.json (or ./bench-out)
     python tools/bench_kernels.py --out results --reps 50 --quick
+    python tools/bench_kernels.py --formats q4,mxfp4 --shapes 896x151936 --rows 1,4,16 \
+        --no-attention --no-torch          # only those GEMV rows (and only their kernels built)
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ SHAPES = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936)]  # (K
 LARGE = {(896, 4864), (4864, 896), (896, 151936)}
 ROWS = [1, 4, 16]
 FORMATS = ["bf16-nk", "bf16-kn", "q4", "mxfp4"]
+_FAMILY = {"bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "mxfp4": "mx4"}  # kernel-name part
 CONTEXTS = [512, 2048, 8192, 32768]
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 
@@ -357,12 +360,12 @@ def bench_attention(
             plan = att.attention_plan(
                 batch=1, seq=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, capacity=ctx
             )
-            ws = dev.alloc(max(plan.workspace_elems, 1), np.float32, stream=s, name="attn-ws")
+            ws = att.attention_workspace(dev, plan, stream=s, name="attn-ws")
             launches = max(copies, 8)
 
             def record(
                 q: Buffer = q, out: Buffer = out, positions: Buffer = positions,
-                lengths: Buffer = lengths, caches: list[Any] = caches, ws: Buffer = ws,
+                lengths: Buffer = lengths, caches: list[Any] = caches, ws: Buffer | None = ws,
                 strides: Any = strides, ctx: int = ctx, plan: Any = plan, copies: int = copies,
                 launches: int = launches,
             ) -> int:  # fmt: skip
@@ -495,6 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool-mib", type=int, default=256, help="weight pool per case (> L2)")
     parser.add_argument("--copy-mib", type=int, default=1024)
     parser.add_argument("--quick", action="store_true", help="M=1 only, no torch")
+    parser.add_argument("--rows", default="", help="M values, e.g. 1,4 (default 1,4,16)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--no-attention", action="store_true")
     parser.add_argument("--no-torch", action="store_true")
@@ -510,7 +514,14 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(dev)
     print("machine:", json.dumps(info, indent=1), flush=True)
     t0 = time.perf_counter()
-    needed = [n for n in KERNELS.names() if n.startswith(("ep_gemv_", "ep_gemm_", "kv_attention"))]
+    formats = [f for f in args.formats.split(",") if f]
+    families = tuple(f"_{_FAMILY.get(f, f)}_" for f in formats)
+    needed = [
+        n
+        for n in KERNELS.names()
+        if (n.startswith(("ep_gemv_", "ep_gemm_")) and any(fam in n for fam in families))
+        or (n.startswith("kv_attention") and not args.no_attention)
+    ]
     for name in needed:  # before any capture
         dev.kernel(name).load()
     print(f"compiled/loaded {len(needed)} kernels in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -520,9 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"copy: {copy_bps / 1e12:.3f} TB/s", flush=True)
     pool = args.pool_mib << 20
     rows_m = [1] if args.quick else ROWS
+    if args.rows:
+        rows_m = [int(m) for m in args.rows.split(",")]
     ws = mm.matmul_workspace(dev, stream=dev.default_stream)
     results: list[Row] = []
-    for fmt in [f for f in args.formats.split(",") if f]:
+    for fmt in formats:
         for K, N in shapes:
             try:
                 results += bench_gemv(dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws)

@@ -1261,4 +1261,383 @@ __device__ __forceinline__ void gemm_simt(float* __restrict__ y, const float* __
   }
 }
 
+// --- streaming GEMV: 4-bit and MXFP4 weights over many output columns (fp16/bf16) -------------
+//
+// For N large enough that 16-row groups outnumber the GPU's warps (the vocabulary projection):
+// no K split. A persistent grid (5 blocks of 4 warps an SM, one wave; `plan_matmul` sizes it);
+// global warp w owns the contiguous 16-row groups [w G / W, (w + 1) G / W) of the G = ceil(N/16),
+// each over all of K, so a row's sum is one warp's fixed sequence of MMAs: independent of M, of
+// timing and of the grid. A warp walks the flattened sequence (group, step); a step is the same
+// 16 rows x 64 bytes (4 lanes x 16 bytes a row, 128 k) that `wt_steps` consumes, with the same
+// dequantization and MMA order, so the arithmetic per row is that of `row_gemv_wt` at kw = gy = 1.
+//
+// Bytes in flight: a per-warp ring of kDepth = 5 shared-memory stages filled by cp.async 4 steps
+// ahead of the step being multiplied, across group boundaries, so the loads of one warp never
+// drain until its last group: 4 KB of weights a warp, 20 warps an SM: 80 KB of weights in
+// flight per SM (HBM needs roughly 32-40 KB per SM), and no registers held by them. Occupancy:
+// __launch_bounds__(128, 5) caps registers at 102 (ptxas: 96, no spills) and 5 x 38.4 KB of
+// shared memory fit an SM, 6 do not: exactly the 5 blocks the plan launches per SM. The scale and zero-point words of a step are copied into the same stage (4-byte
+// cp.async, L1-allocating: the 16 rows' scales share a few lines used by 4+ steps), so they never
+// sit on the critical path either.
+//
+// Each lane reads back exactly the shared-memory words it copied itself, so cp.async.wait_group
+// is all the synchronisation there is (no __syncwarp, no __syncthreads). The slot written at
+// iteration s (stage s + kDepth - 1) is the one read at iteration s - 1, already consumed in
+// program order.
+//
+// Shared-memory banks: a stage is [2][32] 16-byte weight chunks then [6][32] 4-byte words, both
+// indexed by lane last: the 16-byte copies and ld.shared.v4 of a warp cover 512 contiguous bytes
+// (4 wavefronts, the minimum for 512 bytes: conflict-free); the 4-byte copies and loads cover 128
+// contiguous bytes (one wavefront). Global coalescing: one weight cp.async of the warp reads, for
+// each of 8 rows, 64 contiguous bytes (4 lanes x 16): whole sectors, and the .L2::128B hint
+// brings in the other half of the 128-byte line that the next step reads. Activations come from
+// L1 (ld.global.nc, 16 bytes), as in `wt_steps`, issued before the wait for the weights.
+//
+// Unaligned arrays (weights not 16-byte, scales or zero points not 4-byte aligned) fall back to
+// plain loads stored into the same stage layout (slower, same results). Rows past N and chunks
+// past the row read as zero weights with zero scales: exact zeros, never out-of-bounds reads.
+
+struct SStage {       // one warp's share of one step: 1920 bytes
+  static constexpr int kWarps = 4;  // warps a block; the entries say __launch_bounds__(128, 5)
+  static constexpr int kDepth = 5;  // stages a warp: kDepth - 1 in flight while one is used
+  uint4 w[2][32];     // 16-byte weight chunks [row g | row g + 8][lane]
+  u32 aux[6][32];     // words [scale of row g, row g + 8, their second block (block 16),
+                      //        zero-point byte of row g, row g + 8][lane]
+  u32 pad[32];        // unused: 4 x 5 x 1920 = 37.5 KB a block lets 5 blocks share an SM, not 6
+};
+
+__device__ __forceinline__ void cp_async16_l2(void* dst, const void* src, u32 bytes) {
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)),
+               "l"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, u32 bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(bytes)
+               : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// One 16-byte weight chunk row[off..off+16) into dst; zeros when !ok. vec: aligned cp.async
+// (src-size 0 reads nothing and fills zeros); else a byte-wise read stopping at the row end.
+template <bool FAST>
+__device__ __forceinline__ void stage_chunk(uint4* dst, const u8* row, int off, int len, bool ok,
+                                            bool vec, const u8* base) {
+  if (FAST || vec) {
+    cp_async16_l2(dst, ok ? (const void*)(row + off) : (const void*)base, ok ? 16u : 0u);
+  } else {
+    *dst = ok ? load_bytes(row, off, len) : zero4();
+  }
+}
+
+// The aligned 4-byte word holding the element (BYTES = 1 or 2 bytes) at p into dst, the element
+// at bit 8 * (p % 4) of it; zero when !ok. The array [base, end) has a 4-byte aligned base when
+// vec: the word starts at or after base and src-size stops it at end. Else a plain load of the
+// element, stored at the same bits.
+// FAST: the array's length is a multiple of 4 too, so every word is inside it (no clamp).
+template <int BYTES, bool FAST>
+__device__ __forceinline__ void stage_word(u32* dst, const u8* p, const u8* base, const u8* end,
+                                           bool ok, bool vec) {
+  const size_t a = reinterpret_cast<size_t>(p);
+  if (FAST) {
+    cp_async4(dst, ok ? (const void*)(a & ~(size_t)3) : (const void*)base, ok ? 4u : 0u);
+  } else if (vec) {
+    const u8* w = reinterpret_cast<const u8*>(a & ~(size_t)3);
+    const long long left = end - w;  // >= 1 when ok: p < end
+    cp_async4(dst, ok ? (const void*)w : (const void*)base, ok ? (u32)(left < 4 ? left : 4) : 0u);
+  } else {
+    u32 v = 0u;
+    if (ok) {
+      v = BYTES == 1 ? (u32)*p : (u32) * reinterpret_cast<const u16*>(p);
+      v <<= 8 * (u32)(a & 3);
+    }
+    *dst = v;
+  }
+}
+
+// MatMulNBits rows for the streaming GEMV. Step i of group j, lane (g, t): chunk c = 4i + t
+// (bytes 16c.., k 32c..) of rows 16j + g and 16j + g + 8; its first block blk0 = 32c / bs (block
+// 16: the chunk's units 2-3 are in block blk0 + 1; their zero point is the high nibble of the
+// same byte, blk0 being even).
+template <typename T>
+struct Q4Stream {
+  const u8* b;
+  const u8* sc;  // scales, as bytes
+  const u8* zp;
+  const u8* sc_end;
+  const u8* zp_end;
+  int N, kb, row_bytes, zp_row, bs_shift;
+  bool has_zp, wvec, avec, fast;  // fast: wvec, avec and word-multiple array lengths
+  struct Dec {
+    uint4 q[2];
+    u32 s[2][2], z[2][2];  // [row g | g + 8][units 0-1 | 2-3]: packed scale, packed magic | zp
+  };
+  __device__ int steps() const { return (row_bytes + 63) >> 6; }
+  template <bool FAST>
+  __device__ void fetch(SStage& st, int j, int i, int lane) const {
+    const int g = lane >> 2, t = lane & 3;
+    const int c = (i << 2) + t, off = c << 4;
+    const int blk0 = (c << 5) >> bs_shift;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (j << 4) + g + 8 * h;
+      const bool ok = n < N && off < row_bytes;
+      stage_chunk<FAST>(&st.w[h][lane], b + (size_t)n * (size_t)row_bytes, off, row_bytes, ok,
+                        wvec, b);
+      const u8* s0 = sc + ((size_t)n * (size_t)kb + (size_t)blk0) * 2;
+      stage_word<2, FAST>(&st.aux[h][lane], s0, sc, sc_end, ok, avec);
+      if (bs_shift == 4) {
+        stage_word<2, FAST>(&st.aux[2 + h][lane], s0 + 2, sc, sc_end, ok && blk0 + 1 < kb, avec);
+      }
+      if (has_zp) {
+        const u8* z = zp + (size_t)n * (size_t)zp_row + (size_t)(blk0 >> 1);
+        stage_word<1, FAST>(&st.aux[4 + h][lane], z, zp, zp_end, ok, avec);
+      }
+    }
+  }
+  __device__ void decode(const SStage& st, int j, int i, int lane, Dec& d) const {
+    const int g = lane >> 2, t = lane & 3;
+    const int c = (i << 2) + t;
+    const int blk0 = (c << 5) >> bs_shift;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (j << 4) + g + 8 * h;
+      d.q[h] = st.w[h][lane];
+      const size_t sa = reinterpret_cast<size_t>(sc) + ((size_t)n * (size_t)kb + blk0) * 2;
+      const u32 sh = (u32)(sa & 2) << 3;  // 0 or 16
+      d.s[h][0] = ((st.aux[h][lane] >> sh) & 0xFFFFu) * 0x10001u;
+      // block 16: the next scale is 2 bytes on, at the other half of its word
+      d.s[h][1] = bs_shift == 4 ? ((st.aux[2 + h][lane] >> (sh ^ 16u)) & 0xFFFFu) * 0x10001u
+                                : d.s[h][0];
+      u32 z0 = 8u, z1 = 8u;
+      if (has_zp) {
+        const size_t za = reinterpret_cast<size_t>(zp) + (size_t)n * (size_t)zp_row + (blk0 >> 1);
+        const u32 byte = (st.aux[4 + h][lane] >> ((u32)(za & 3) << 3)) & 0xFFu;
+        if (bs_shift == 4) {
+          z0 = byte & 15u;
+          z1 = byte >> 4;
+        } else {
+          z0 = (blk0 & 1) ? (byte >> 4) : (byte & 15u);
+          z1 = z0;
+        }
+      }
+      d.z[h][0] = (Elem<T>::kMagic | z0) * 0x10001u;
+      d.z[h][1] = (Elem<T>::kMagic | z1) * 0x10001u;
+    }
+  }
+  __device__ static void unit(const Dec& d, int h, int u, u32 (&p)[4]) {
+    q4_pairs<T>(word_at(d.q[h], u), d.s[h][u >> 1], d.z[h][u >> 1], p);
+  }
+};
+
+// MXFP4 rows for the streaming GEMV: chunk c of a row is MX block c, its E8M0 byte scale c.
+template <typename T>
+struct Mx4Stream {
+  const u8* b;
+  const u8* sc;
+  const u8* sc_end;
+  int N, kb, row_bytes;
+  bool wvec, avec, fast;
+  struct Dec {
+    uint4 q[2];
+    u32 s[2];  // packed scale of row g | g + 8
+  };
+  __device__ int steps() const { return (row_bytes + 63) >> 6; }
+  template <bool FAST>
+  __device__ void fetch(SStage& st, int j, int i, int lane) const {
+    const int g = lane >> 2, t = lane & 3;
+    const int c = (i << 2) + t, off = c << 4;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (j << 4) + g + 8 * h;
+      const bool ok = n < N && off < row_bytes;
+      stage_chunk<FAST>(&st.w[h][lane], b + (size_t)n * (size_t)row_bytes, off, row_bytes, ok,
+                        wvec, b);
+      stage_word<1, FAST>(&st.aux[h][lane], sc + (size_t)n * (size_t)kb + c, sc, sc_end, ok,
+                          avec);
+    }
+  }
+  __device__ void decode(const SStage& st, int j, int i, int lane, Dec& d) const {
+    const int g = lane >> 2, t = lane & 3;
+    const int c = (i << 2) + t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = (j << 4) + g + 8 * h;
+      d.q[h] = st.w[h][lane];
+      const size_t sa = reinterpret_cast<size_t>(sc) + (size_t)n * (size_t)kb + c;
+      const u32 e = (st.aux[h][lane] >> ((u32)(sa & 3) << 3)) & 0xFFu;
+      d.s[h] = e8m0_bits<T>(e) * 0x10001u;  // a zero-filled (absent) chunk: e = 0, codes 0: 0
+    }
+  }
+  __device__ static void unit(const Dec& d, int h, int u, u32 (&p)[4]) {
+    e2m1_pairs<T>(word_at(d.q[h], u), p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = pk_mul<T>(p[j], d.s[h]);
+  }
+};
+
+template <typename T, class P, bool TWO, bool FAST>
+__device__ __forceinline__ void stream_run(const P& wp, T* __restrict__ y,
+                                           const T* __restrict__ x, int M, int N, int K,
+                                           bool xv, SStage* ring, int j0, int j1) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  constexpr int D = SStage::kDepth;
+  const int steps = wp.steps();
+  const int total = (j1 - j0) * steps;  // warp-uniform, as is everything the loop branches on
+  const bool m_lo = g < M, m_hi = g + 8 < M;
+  const T* x_lo = x + (size_t)g * K;
+  const T* x_hi = x + (size_t)(g + 8) * K;
+  int lj = j0, li = 0;  // the (group, step) the loader copies next
+#pragma unroll
+  for (int p = 0; p < D - 1; ++p) {
+    if (p < total) {
+      wp.template fetch<FAST>(ring[p], lj, li, lane);
+      if (++li == steps) {
+        li = 0;
+        ++lj;
+      }
+    }
+    cp_commit();  // one group per stage, empty ones too: wait_group counts stay exact
+  }
+  float c[2][2][4];  // [batch rows 0-7 | 8-15][two independent chains][fragment]
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) c[h][q][0] = c[h][q][1] = c[h][q][2] = c[h][q][3] = 0.0f;
+  int cj = j0, ci = 0;            // the (group, step) multiplied next
+  int slot = 0, lslot = D - 1;  // ring slots of stage s and of stage s + D - 1
+  for (int s = 0; s < total; ++s) {
+    if (s + D - 1 < total) {
+      wp.template fetch<FAST>(ring[lslot], lj, li, lane);
+      if (++li == steps) {
+        li = 0;
+        ++lj;
+      }
+    }
+    cp_commit();
+    lslot = lslot + 1 == D ? 0 : lslot + 1;
+    uint4 xl[4], xh[4];  // x rows g and g + 8 at the step's k: B fragments as loaded
+    if (xv && (ci + 1) * 128 <= K) {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int kk = (ci << 7) + (t << 5) + (v << 3);
+        xl[v] = m_lo ? ld_cached(x_lo + kk) : zero4();
+        if (TWO) xh[v] = m_hi ? ld_cached(x_hi + kk) : zero4();
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        const int kk = (ci << 7) + (t << 5) + (v << 3);
+        xl[v] = m_lo ? load_chunk<T>(x_lo, kk, K, xv, false) : zero4();
+        if (TWO) xh[v] = m_hi ? load_chunk<T>(x_hi, kk, K, xv, false) : zero4();
+      }
+    }
+    cp_wait<D - 1>();  // all groups but the newest D - 1 are complete: stage s has landed
+    typename P::Dec d;
+    wp.decode(ring[slot], cj, ci, lane, d);
+    slot = slot + 1 == D ? 0 : slot + 1;
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      u32 a[4], e[4];
+      P::unit(d, 0, v, a);
+      P::unit(d, 1, v, e);
+      mma16816<T>(c[0][v & 1], a[0], e[0], a[1], e[1], xl[v].x, xl[v].y);
+      mma16816<T>(c[0][v & 1], a[2], e[2], a[3], e[3], xl[v].z, xl[v].w);
+      if (TWO) {
+        mma16816<T>(c[1][v & 1], a[0], e[0], a[1], e[1], xh[v].x, xh[v].y);
+        mma16816<T>(c[1][v & 1], a[2], e[2], a[3], e[3], xh[v].z, xh[v].w);
+      }
+    }
+    if (++ci == steps) {  // group cj is complete: C[n][m] at (g | g + 8, 2t | 2t + 1 (+ 8))
+      const int n = (cj << 4) + g;
+#pragma unroll
+      for (int h = 0; h < (TWO ? 2 : 1); ++h) {
+        const int m = 2 * t + 8 * h;
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int mm = m + (r & 1), nn = n + 8 * (r >> 1);
+          if (mm < M && nn < N) {
+            y[(size_t)mm * N + nn] = Elem<T>::from_f(c[h][0][r] + c[h][1][r]);
+          }
+          c[h][0][r] = c[h][1][r] = 0.0f;
+        }
+      }
+      ci = 0;
+      ++cj;
+    }
+  }
+  cp_wait<0>();
+}
+
+template <typename T, class P>
+__device__ __forceinline__ void stream_gemv(const P& wp, T* __restrict__ y,
+                                            const T* __restrict__ x, int M, int N, int K,
+                                            u32 flags) {
+  __shared__ SStage ring[SStage::kWarps][SStage::kDepth];
+  const int warp = threadIdx.x >> 5;
+  const long long warps = (long long)gridDim.x * SStage::kWarps;
+  const long long gw = (long long)blockIdx.x * SStage::kWarps + warp;
+  const long long groups = ((long long)N + 15) >> 4;
+  const int j0 = (int)(gw * groups / warps), j1 = (int)((gw + 1) * groups / warps);
+  const bool xv = (flags & EPK_X16) != 0;
+  // Uniform for the launch: one branch-free loop for each case.
+  if (wp.fast) {
+    if (M > 8) {
+      stream_run<T, P, true, true>(wp, y, x, M, N, K, xv, ring[warp], j0, j1);
+    } else {
+      stream_run<T, P, false, true>(wp, y, x, M, N, K, xv, ring[warp], j0, j1);
+    }
+  } else if (M > 8) {
+    stream_run<T, P, true, false>(wp, y, x, M, N, K, xv, ring[warp], j0, j1);
+  } else {
+    stream_run<T, P, false, false>(wp, y, x, M, N, K, xv, ring[warp], j0, j1);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ Q4Stream<T> q4_stream(const u8* b, const T* scales, const u8* zp,
+                                                 int N, int kb, int bs_shift, u32 flags) {
+  const bool has_zp = (flags & EPK_ZP) != 0;
+  const u8* sc = reinterpret_cast<const u8*>(scales);
+  const int zp_row = (kb + 1) >> 1;
+  Q4Stream<T> p;
+  p.b = b;
+  p.sc = sc;
+  p.zp = zp;
+  p.sc_end = sc + (size_t)N * (size_t)kb * 2;
+  p.zp_end = zp + (size_t)N * (size_t)zp_row;
+  p.N = N;
+  p.kb = kb;
+  p.row_bytes = (kb << bs_shift) >> 1;
+  p.zp_row = zp_row;
+  p.bs_shift = bs_shift;
+  p.has_zp = has_zp;
+  p.wvec = (flags & EPK_W16) != 0;
+  p.avec = (reinterpret_cast<size_t>(sc) & 3) == 0 &&
+           (!has_zp || (reinterpret_cast<size_t>(zp) & 3) == 0);
+  p.fast = p.wvec && p.avec && (((size_t)N * (size_t)kb) & 1) == 0 &&
+           (!has_zp || (((size_t)N * (size_t)zp_row) & 3) == 0);
+  return p;
+}
+
+template <typename T>
+__device__ __forceinline__ Mx4Stream<T> mx4_stream(const u8* b, const u8* scales, int N, int K,
+                                                   u32 flags) {
+  Mx4Stream<T> p;
+  p.b = b;
+  p.sc = scales;
+  p.sc_end = scales + (size_t)N * (size_t)(K >> 5);
+  p.N = N;
+  p.kb = K >> 5;
+  p.row_bytes = K >> 1;
+  p.wvec = (flags & EPK_W16) != 0;
+  p.avec = (reinterpret_cast<size_t>(scales) & 3) == 0;
+  p.fast = p.wvec && p.avec && (((size_t)N * (size_t)p.kb) & 3) == 0;
+  return p;
+}
+
 }  // namespace epk

@@ -26,6 +26,11 @@ kernel                    what and launch geometry
 ``ep_gemv_mx4_<dt>``      decode, MXFP4: like ``q4``; a lane's 16 bytes are one MX block (32 E2M1
                           codes, one E8M0 scale), decoded with byte-permute tables held in two
                           registers (a 16-entry lookup without memory).
+``ep_gemv_<fmt>_stream_`` decode, q4/mx4 fp16/bf16 over many columns (ceil(N/16) >= 20 warps x
+``<dt>``                  SMs: the vocabulary projection): persistent, 5 blocks of 4 warps an SM,
+                          a warp owns whole 16-row groups over all K (no K split), fed by a
+                          per-warp cp.async ring of shared-memory stages 4 steps ahead; the
+                          plan streams the formats in ``_STREAM_FORMATS`` (q4 only, as measured).
 ``ep_gemm_<fmt>_<dt>``    prefill: 64 x 64 output tiles. fp16/bf16: 128 threads (2 x 2 warps of
                           32 x 32), K tiles of 32 double-buffered in shared memory (cp.async for
                           dense, dequantize-into-shared for q4/mx4), ``mma.sync m16n8k16`` fed by
@@ -103,6 +108,15 @@ _DEFAULT_SMS = 132  # H200; used when the device does not say
 _WARPS_PER_SM = (
     24  # resident warps a GEMV block of 8 warps leaves room for (3 blocks at <= 85 regs)
 )
+# The streaming q4/mx4 GEMVs (``ep_gemv_<fmt>_stream_<dt>``): blocks of 4 warps, at most 5 blocks
+# an SM (37.5 KB of shared memory and <= 102 registers a thread: 5 fit an H200 SM, 6 do not),
+# one persistent wave.
+_STREAM_WARPS = 4
+_STREAM_BLOCKS_PER_SM = 5
+# Formats the plan streams. MXFP4 is left out: on the H200 (K=896, N=151936, bf16) its streaming
+# kernel took 47.8/48.1/65.0 us at M=1/4/16 against 40.7/42.5/74.2 for the split-K one; q4
+# streaming took 45.7/46.0/68.8 against 45.9/47.9/96.9.
+_STREAM_FORMATS: tuple[str, ...] = ("q4",)
 
 
 # --- source and registration -------------------------------------------------------------------
@@ -151,6 +165,27 @@ def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool) -> str:
         f"u32 flags) {{\n  {policy}\n"
         f"  epk::{body}<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, flags);"
         "\n}\n"
+    )
+
+
+def _stream_entry(fmt: str, name: str) -> str:
+    """The streaming GEMV (fp16/bf16 q4/mx4): the parameters of ``ep_gemv_<fmt>``, kw/gy unused."""
+    head = (
+        f'extern "C" __global__ void __launch_bounds__({32 * _STREAM_WARPS}, '
+        f"{_STREAM_BLOCKS_PER_SM}) {name}("
+    )
+    if fmt == "q4":
+        weights = "const u8* b, const T* scales, const u8* zp"
+        policy = "epk::q4_stream<T>(b, scales, zp, N, kb, bs_shift, flags)"
+        sizes = _Q4_SIZES
+    else:
+        weights = "const u8* b, const u8* scales"
+        policy = "epk::mx4_stream<T>(b, scales, N, K, flags)"
+        sizes = "int M, int N, int K"
+    return (
+        f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
+        f"u32 flags) {{\n  (void)ws; (void)counters; (void)kw; (void)gy;\n"
+        f"  epk::stream_gemv<T>({policy}, y, x, M, N, K, flags);\n}}\n"
     )
 
 
@@ -324,6 +359,18 @@ def _register() -> dict[str, KernelSource]:
                         cpu=_twin(fmt, kind == "gemv"),
                     )
                 )
+            if fp32 or fmt not in ("q4", "mx4"):
+                continue
+            name = f"ep_gemv_{fmt}_stream_{suffix}"
+            out[name] = register_kernel(
+                KernelSource(
+                    name=name,
+                    source=f"{body}\ntypedef {ctype} T;\n{_stream_entry(fmt, name)}",
+                    params=tuple(p.replace("T*", f"{suffix}*") for p in _GEMV_PARAMS[fmt]),
+                    options=options,
+                    cpu=_twin(fmt, True),
+                )
+            )
     return out
 
 
@@ -420,11 +467,15 @@ def plan_matmul(
     block_size: int = 32,
     workspace: MatmulWorkspace | None = None,
     sm_count: int = _DEFAULT_SMS,
+    split_n: int | None = None,
 ) -> MatmulPlan:
     """The kernel and launch geometry for one call (M decides GEMV vs GEMM; nothing else does).
 
     The GEMV's K split depends on N, K, the format, the workspace and ``sm_count`` only, so the
-    arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS`.
+    arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS`. ``split_n``: this call is
+    N columns of a weight with ``split_n`` output columns (a streamed piece); the K split is
+    chosen as a launch of all ``split_n`` columns would choose it, so every column gets the
+    arithmetic of the unsplit product.
     """
     found = _DTYPES.get(np.dtype(dtype))
     _need(
@@ -448,7 +499,21 @@ def plan_matmul(
             f"M={M} > {GEMV_MAX_ROWS}: tiled GEMM, {tiles_n}x{tiles_m} tiles of 64x64"
             + ("" if fp32 else " on tensor cores"),
         )
-    cols, groups, steps = _gemv_shape(fmt, fp32, N, K, block_size)
+    whole = N
+    if split_n is not None:
+        _need(
+            isinstance(split_n, int | np.integer) and not isinstance(split_n, bool)
+            and N <= split_n < 2**31,
+            "matmul",
+            f"split_n={split_n!r} must be an integer in [N={N}, 2^31): the output columns of the "
+            "whole weight this call is a piece of",
+        )  # fmt: skip
+        whole = int(split_n)
+    if fmt in _STREAM_FORMATS and not fp32:
+        stream = _plan_stream(fmt, suffix, N, whole, K, sm_count)
+        if stream is not None:
+            return stream
+    cols, groups, steps = _gemv_shape(fmt, fp32, whole, K, block_size)
     # As many K slices as keep one wave of blocks on the GPU (never more: a second wave is a
     # tail of mostly idle SMs) and at least one K step per slice.
     slices = max(1, min(steps, sm_count * _WARPS_PER_SM // groups))
@@ -458,10 +523,13 @@ def plan_matmul(
     gy = 1
     why = "no workspace: K split over the warps of a block only"
     if workspace is not None:
-        gy = max(1, min(slices // kw, 64, workspace.floats // (GEMV_MAX_ROWS * N)))
+        gy = max(1, min(slices // kw, 64, workspace.floats // (GEMV_MAX_ROWS * whole)))
         if -(-groups // (8 // kw)) > workspace.slots:
             gy = 1
         why = f"workspace: K split over {gy} block(s) too"
+    if whole != N:
+        groups = _gemv_shape(fmt, fp32, N, K, block_size)[1]
+        why += f"; K split of the whole {whole} columns"
     grid_x = -(-groups // (8 // kw))
     _need(grid_x <= 2**31 - 1, "matmul", f"N={N} needs {grid_x} blocks; too many")
     return MatmulPlan(
@@ -473,6 +541,32 @@ def plan_matmul(
         gy,
         f"M={M} <= {GEMV_MAX_ROWS}: GEMV, {groups} groups of {cols} columns x {kw * gy} K slices "
         f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}",
+    )
+
+
+def _plan_stream(
+    fmt: Format, suffix: str, N: int, whole: int, K: int, sm_count: int
+) -> MatmulPlan | None:
+    """The streaming q4/mx4 GEMV when the whole weight has a 16-row group for every warp.
+
+    Then no K split is needed to fill the GPU, and the persistent kernel keeps every warp's loads
+    in flight from its first group to its last. A row's arithmetic in it does not depend on N or
+    the grid, so a piece of such a weight (``whole`` > N) takes it too. Else None: split-K GEMV.
+    """
+    blocks = max(1, sm_count) * _STREAM_BLOCKS_PER_SM
+    if -(-whole // 16) < blocks * _STREAM_WARPS:
+        return None
+    groups = -(-N // 16)
+    blocks = min(blocks, -(-groups // _STREAM_WARPS))
+    return MatmulPlan(
+        f"ep_gemv_{fmt}_stream_{suffix}",
+        "gemv",
+        (blocks, 1, 1),
+        32 * _STREAM_WARPS,
+        1,
+        1,
+        f"streaming GEMV: {groups} groups of 16 columns over {blocks} persistent blocks x "
+        f"{_STREAM_WARPS} warps, each group all of K={K} in one warp (no K split)",
     )
 
 
@@ -607,10 +701,12 @@ def gemm(
     transpose_b: int,
     stream: Stream,
     workspace: MatmulWorkspace | None = None,
+    split_n: int | None = None,
 ) -> MatmulPlan:
     """``out[M, N] = x[M, K] @ W``: W is [K, N] (``transpose_b=0``) or [N, K] (``transpose_b=1``).
 
     The same contract as `ep.ops.matmul.matmul_weight`. x, w and out share a float dtype.
+    ``split_n``: W is an output-column piece of a weight of ``split_n`` columns (`plan_matmul`).
     Returns the plan it ran.
     """
     op = "gemm"
@@ -625,7 +721,9 @@ def gemm(
     fmt: Format = "nk" if transpose_b else "kn"
     row = (K if transpose_b else N) * dtype.itemsize
     flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
-    plan = plan_matmul(fmt, dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev))
+    plan = plan_matmul(
+        fmt, dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev), split_n=split_n
+    )
     return _launch(dev, plan, [out, x, w, M, N, K, flags], workspace, out, stream)
 
 
@@ -644,11 +742,13 @@ def gemm_nbits(
     stream: Stream,
     bits: int = 4,
     workspace: MatmulWorkspace | None = None,
+    split_n: int | None = None,
 ) -> MatmulPlan:
     """``out = x @ dequantize(B)^T`` for MatMulNBits weights (`ep.ops.matmul.matmul_nbits`).
 
     b: uint8 [N, ceil(K/block_size), block_size/2]; scales: x's dtype [N * k_blocks];
     zero_points: uint8 [N, ceil(k_blocks/2)] packed two per byte, or None for zero point 8.
+    ``split_n``: the three are rows of a weight of ``split_n`` rows (`plan_matmul`).
     """
     op = "gemm_nbits"
     _sizes(op, M=M, N=N, K=K, block_size=block_size)
@@ -687,6 +787,7 @@ def gemm_nbits(
         block_size=block_size,
         workspace=workspace,
         sm_count=_sm_count(dev),
+        split_n=split_n,
     )
     shift = int(math.log2(block_size))
     zp = zero_points if zero_points is not None else b  # never read without EPK_ZP
@@ -706,12 +807,14 @@ def gemm_mxfp4(
     K: int,
     stream: Stream,
     workspace: MatmulWorkspace | None = None,
+    split_n: int | None = None,
 ) -> MatmulPlan:
     """``out = x @ dequantize_mxfp4(b, scales)^T`` (`ep.ops.matmul.matmul_mxfp4`).
 
     b: uint8 [N, K/32, 16] (E2M1 pairs, low nibble first); scales: uint8 [N, K/32] (E8M0).
     K must be a multiple of 32. For fp16 activations the dequantized weights are fp16, so a
     block whose scale puts them outside fp16's range overflows (as any fp16 product would).
+    ``split_n``: b and scales are rows of a weight of ``split_n`` rows (`plan_matmul`).
     """
     op = "gemm_mxfp4"
     _sizes(op, M=M, N=N, K=K)
@@ -725,5 +828,7 @@ def gemm_mxfp4(
     _disjoint(op, out, {"x": x, "b": b, "scales": scales})
     _check_workspace(op, dev, workspace)
     flags = _x16(x, K) | (_FLAG_W16 if b.ptr % 16 == 0 else 0) | (_FLAG_W8 if b.ptr % 8 == 0 else 0)
-    plan = plan_matmul("mx4", dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev))
+    plan = plan_matmul(
+        "mx4", dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev), split_n=split_n
+    )
     return _launch(dev, plan, [out, x, b, scales, M, N, K, flags], workspace, out, stream)

@@ -17,6 +17,7 @@ import pytest
 
 from ep.device import Buffer, Device, KernelCache, compile_kernel
 from ep.errors import KernelArgumentError
+from ep.kernels import matmul
 from ep.kernels.matmul import (
     GEMV_MAX_ROWS,
     MATMUL_KERNELS,
@@ -101,7 +102,8 @@ def test_every_matmul_kernel_compiles_to_sm90_cubin(tmp_path: Path) -> None:
     for name, source in MATMUL_KERNELS.items():
         report = compile_kernel(source, "sm_90", cache=cache).report
         assert report.cubin_bytes > 0, name
-    assert len(MATMUL_KERNELS) == 24  # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}
+    # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, and the streaming q4/mx4 GEMVs
+    assert len(MATMUL_KERNELS) == 24 + 4
 
 
 # --- dense -------------------------------------------------------------------------------------
@@ -546,3 +548,290 @@ def test_workspace_starts_with_zero_counters(device: Device) -> None:
     assert not ws.counters.to_host(stream=device.default_stream).any()
     with pytest.raises(KernelArgumentError, match="must be positive"):
         matmul_workspace(device, stream=device.default_stream, floats=0)
+
+
+# --- the streaming q4/mx4 GEMV (many output columns: the vocabulary projection) -----------------
+#
+# plan_matmul picks it when ceil(N / 16) >= 20 warps x the SM count; the tests below plan for one
+# SM (monkeypatched `_sm_count`) so that N = 1000 takes it: 5 blocks x 4 warps, about 3 groups of
+# 16 rows a warp, so each warp's cp.async ring runs across group boundaries as on the H200.
+
+F16 = np.dtype(np.float16)
+STREAM_N = 1000  # 62 full groups of 16 rows and a half one
+
+
+@pytest.fixture
+def one_sm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plan for one SM, and stream MXFP4 too (its kernel is built and must be right)."""
+    monkeypatch.setattr(matmul, "_sm_count", lambda dev: 1)
+    monkeypatch.setattr(matmul, "_STREAM_FORMATS", ("q4", "mx4"))
+
+
+def _random_q4(
+    rng: np.random.Generator, dtype: np.dtype, N: int, K: int, block: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random packed bytes (every code), scales around 1/64 and zero points (quick at any N)."""
+    kb = -(-K // block)
+    b = rng.integers(0, 256, (N, kb, block // 2), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 1.5, N * kb) / 64).astype(np.float32).astype(dtype)
+    zp = rng.integers(0, 256, N * ((kb + 1) // 2), dtype=np.uint8)
+    return b, scales, zp
+
+
+def _stream_q4(
+    dev: Device,
+    out: Buffer,
+    x: Buffer,
+    b: Buffer,
+    scales: Buffer,
+    zp: Buffer | None,
+    M: int,
+    N: int,
+    K: int,
+    block: int,
+) -> str:
+    plan = gemm_nbits(
+        dev, out, x, b, scales, zp, M=M, N=N, K=K, block_size=block, stream=dev.default_stream
+    )
+    return plan.kernel
+
+
+@pytest.mark.parametrize("zero_point", [False, True], ids=["zp8", "zp"])
+@pytest.mark.parametrize(
+    ("K", "block"),
+    [(896, 32), (100, 16), (160, 16), (200, 64), (384, 256)],
+    ids=["k896-b32", "k100-b16-odd-blocks", "k160-b16", "k200-b64-padded", "k384-b256"],
+)
+@pytest.mark.parametrize("M", [1, 4, 13])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_stream_nbits_matches_matmul_nbits(
+    device: Device,
+    one_sm: None,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+    M: int,
+    K: int,
+    block: int,
+    zero_point: bool,
+) -> None:
+    """Block sizes 16..256, zero points or 8, K not a multiple of the block or of a 128-k step,
+    kb odd (row bytes not a multiple of 16: the byte-wise path), N not a multiple of 16."""
+    N = STREAM_N
+    x = _acts(rng, dtype, M, K)
+    b, scales, zp = _q4_case(rng, dtype, N, K, block, zero_point)
+    s = device.default_stream
+    out = device.alloc(M * N + 40, dtype, stream=s, name="y")  # 40 spare elements stay NaN
+    poison(out)
+    kernel = _stream_q4(
+        device,
+        out,
+        upload(device, x),
+        upload(device, b),
+        upload(device, scales),
+        upload(device, zp) if zp is not None else None,
+        M,
+        N,
+        K,
+        block,
+    )
+    assert kernel == f"ep_gemv_q4_stream_{DTYPE_IDS[DTYPES.index(dtype)]}"
+    got = out.to_host(stream=s)
+    assert np.isnan(got[M * N :].astype(np.float32)).all()  # nothing written past y
+    want = _q4_ref(x, b, scales, zp, N, K, block)
+    assert rel_error(got[: M * N].reshape(M, N), want) < _tol(dtype)
+
+
+@pytest.mark.parametrize("K", [96, 320, 896])
+@pytest.mark.parametrize("M", [1, 4, 13])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_stream_mxfp4_matches_matmul_mxfp4(
+    device: Device,
+    one_sm: None,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+    M: int,
+    K: int,
+) -> None:
+    N = STREAM_N
+    s = device.default_stream
+    x = _acts(rng, dtype, M, K)
+    b, scales = _mx4_case(rng, N, K)
+    out = device.alloc(M * N + 40, dtype, stream=s, name="y")
+    poison(out)
+    plan = gemm_mxfp4(
+        device, out, upload(device, x), upload(device, b), upload(device, scales),
+        M=M, N=N, K=K, stream=s,
+    )  # fmt: skip
+    assert plan.kernel.startswith("ep_gemv_mx4_stream_") and plan.block == 128
+    got = out.to_host(stream=s)
+    assert np.isnan(got[M * N :].astype(np.float32)).all()
+    want = matmul_mxfp4(x, b, scales, K=K, N=N)
+    assert rel_error(got[: M * N].reshape(M, N), want) < _tol(dtype)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "mx4"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_stream_rows_are_bitwise_the_same_at_every_batch_size(
+    device: Device,
+    one_sm: None,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    dtype: np.dtype,
+    fmt: str,
+) -> None:
+    """Every row of a batch of 16 equals that row alone, and inside batches of 8 and 9 (one MMA
+    column block or two), and a second run of the batch is bitwise the first."""
+    s = device.default_stream
+    K, N = 896, STREAM_N
+    x = _acts(rng, dtype, GEMV_MAX_ROWS, K)
+    if fmt == "q4":
+        b, scales, zp = _random_q4(rng, dtype, N, K, 32)
+        weights = [upload(device, b), upload(device, scales), upload(device, zp)]
+    else:
+        weights = [upload(device, a) for a in _mx4_case(rng, N, K)]
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        M = rows.shape[0]
+        out = _out(device, dtype, M, N, poison)
+        xb = upload(device, rows)
+        if fmt == "q4":
+            plan = gemm_nbits(device, out, xb, *weights, M=M, N=N, K=K, block_size=32, stream=s)
+        else:
+            plan = gemm_mxfp4(device, out, xb, *weights, M=M, N=N, K=K, stream=s)
+        assert "_stream_" in plan.kernel
+        return out.to_host(stream=s)
+
+    batch = run(x)
+    assert np.isfinite(batch.astype(np.float32)).all()
+    np.testing.assert_array_equal(run(x), batch)
+    for i in range(GEMV_MAX_ROWS):
+        np.testing.assert_array_equal(run(x[i : i + 1]), batch[i : i + 1])
+    np.testing.assert_array_equal(run(x[3:11]), batch[3:11])
+    np.testing.assert_array_equal(run(x[7:16]), batch[7:16])
+
+
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+@pytest.mark.parametrize("M", [2, 11])
+def test_stream_unaligned_arrays_take_the_plain_load_path(
+    device: Device,
+    one_sm: None,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+    M: int,
+) -> None:
+    """Weights one byte past an aligned address, scales one element past (not 4-byte aligned),
+    zero points one byte past, MXFP4 scales one byte past: the results of the aligned run."""
+    s = device.default_stream
+    K, N, block = 256, STREAM_N, 32
+    x = _acts(rng, dtype, M, K)
+    xb = upload(device, x)
+
+    def shifted(a: np.ndarray) -> Buffer:
+        flat = a.reshape(-1)
+        buf = upload(device, np.concatenate([np.zeros(1, flat.dtype), flat]))
+        return buf.view(flat.dtype, flat.size, offset=flat.dtype.itemsize)
+
+    b, scales, zp = _q4_case(rng, dtype, N, K, block, True)
+    assert zp is not None
+    want = _q4_ref(x, b, scales, zp, N, K, block)
+    for arrays in (
+        (shifted(b), upload(device, scales), upload(device, zp)),  # byte-wise weights
+        (upload(device, b), shifted(scales), upload(device, zp)),  # plain scale loads
+        (upload(device, b), upload(device, scales), shifted(zp)),  # plain zero-point loads
+    ):
+        out = _out(device, dtype, M, N, poison)
+        assert "_stream_" in _stream_q4(device, out, xb, *arrays, M, N, K, block)
+        assert rel_error(out.to_host(stream=s), want) < _tol(dtype)
+    mb, ms = _mx4_case(rng, N, K)
+    out = _out(device, dtype, M, N, poison)
+    gemm_mxfp4(device, out, xb, shifted(mb), shifted(ms), M=M, N=N, K=K, stream=s)
+    assert rel_error(out.to_host(stream=s), matmul_mxfp4(x, mb, ms, K=K, N=N)) < _tol(dtype)
+
+
+def test_plan_streams_the_vocabulary_projection_and_splits_k_otherwise(
+    cpu_device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
+    # MXFP4 streams only when asked (it measured slower than split-K at M <= 4)
+    assert plan_matmul("mx4", BF16, M=1, N=151936, K=896).kernel == "ep_gemv_mx4_bf16"
+    monkeypatch.setattr(matmul, "_STREAM_FORMATS", ("q4", "mx4"))
+    for fmt in ("q4", "mx4"):
+        for dtype, suffix in ((BF16, "bf16"), (F16, "f16")):
+            plans = {
+                plan_matmul(fmt, dtype, M=m, N=151936, K=896, workspace=w)
+                for m in range(1, GEMV_MAX_ROWS + 1)
+                for w in (ws, None)
+            }
+            assert len(plans) == 1, plans  # neither M nor the workspace changes it
+            plan = plans.pop()
+            assert plan.kernel == f"ep_gemv_{fmt}_stream_{suffix}"
+            assert (plan.grid, plan.block, plan.kw, plan.gy) == ((132 * 5, 1, 1), 128, 1, 1)
+            # 20 warps an SM, 16 rows a warp: the smallest N that streams on 132 SMs
+            edge = plan_matmul(fmt, dtype, M=1, N=132 * 20 * 16, K=896, workspace=ws)
+            assert edge.kernel == plan.kernel
+            below = plan_matmul(fmt, dtype, M=1, N=132 * 20 * 16 - 16, K=896, workspace=ws)
+            assert below.kernel == f"ep_gemv_{fmt}_{suffix}" and below.block == 256
+        # fp32 activations keep the SIMT GEMV; the model's narrow shapes keep the K split
+        assert plan_matmul(fmt, np.dtype(np.float32), M=1, N=151936, K=896).kernel.endswith(
+            f"{fmt}_f32"
+        )
+        for N, K in ((4864, 896), (896, 4864), (896, 896)):
+            assert "_stream_" not in plan_matmul(fmt, BF16, M=1, N=N, K=K, workspace=ws).kernel
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["q4", "mx4"])
+def test_stream_vocabulary_projection_on_the_gpu(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: str,
+) -> None:
+    """The real shape (K=896, N=151936, bf16, M=4) on the GPU's own SM count: the first and last
+    2048 columns against the reference on those rows, and no NaN anywhere."""
+    monkeypatch.setattr(matmul, "_STREAM_FORMATS", ("q4", "mx4"))
+    dev, s = cuda_device, cuda_device.default_stream
+    M, K, N = 4, 896, 151936
+    x = _acts(rng, BF16, M, K)
+    out = _out(dev, BF16, M, N, poison)
+    xb = dev.to_device(x, stream=s)
+    if fmt == "q4":
+        b, scales, zp = _random_q4(rng, BF16, N, K, 32)
+        plan = gemm_nbits(
+            dev, out, xb, dev.to_device(b, stream=s), dev.to_device(scales, stream=s),
+            dev.to_device(zp, stream=s), M=M, N=N, K=K, block_size=32, stream=s,
+        )  # fmt: skip
+        kb, zr = K // 32, (K // 32 + 1) // 2
+
+        def ref(r: slice) -> np.ndarray:
+            n = r.stop - r.start
+            return matmul_nbits_zp(x, b[r], scales[r.start * kb : r.stop * kb],
+                                   zp[r.start * zr : r.stop * zr], K=K, N=n, bits=4,
+                                   block_size=32)  # fmt: skip
+    else:
+        mb, ms = _mx4_case(rng, N, K)
+        plan = gemm_mxfp4(
+            dev, out, xb, dev.to_device(mb, stream=s), dev.to_device(ms, stream=s),
+            M=M, N=N, K=K, stream=s,
+        )  # fmt: skip
+
+        def ref(r: slice) -> np.ndarray:
+            return matmul_mxfp4(x, mb[r], ms[r], K=K, N=r.stop - r.start)
+
+    assert "_stream_" in plan.kernel
+    got = out.to_host(stream=s)
+    assert np.isfinite(got.astype(np.float32)).all()
+    for r in (slice(0, 2048), slice(N - 2048, N)):
+        assert rel_error(got[:, r], ref(r)) < 1e-2
