@@ -309,6 +309,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             capture=config.create("capture"),
             offload=config.create("offload"),
             budget=config.budget,
+            piece=config.piece_bytes,
             sources=sources,
             sync_every=config["decode.sync_every"],
         )

@@ -32,6 +32,7 @@ __all__ = [
     "Setting",
     "load_config",
     "parse_budget",
+    "parse_piece",
 ]
 
 DEFAULT_CONFIG_FILE = "genai-ep.toml"
@@ -100,6 +101,38 @@ def parse_budget(text: str) -> Budget:
     )
 
 
+MIN_PIECE_BYTES = 256  # one arena alignment unit: smaller pieces only add copies and calls
+
+
+def parse_piece(text: str | int) -> int:
+    """Bytes of ``offload.piece``: ``"32MiB"``, ``"4194304"`` (a ConfigError says what is allowed).
+
+    Weights larger than this are streamed in pieces of at most this size (`ep.offload`).
+    """
+    s = str(text).strip()
+    size = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-zA-Z]*)", s)
+    if size is None or size.group(2).lower() not in _UNITS:
+        raise ConfigError(
+            f"offload.piece = {s!r} is not a byte size; expected bytes ('33554432') or a size "
+            "with a unit ('32MiB', '64MB'); a share ('50%') is not allowed here"
+        )
+    nbytes = int(float(size.group(1)) * _UNITS[size.group(2).lower()])
+    if nbytes < MIN_PIECE_BYTES:
+        raise ConfigError(
+            f"offload.piece = {s!r} is {nbytes} bytes; expected at least {MIN_PIECE_BYTES} "
+            "bytes: set e.g. --set offload.piece=32MiB"
+        )
+    return nbytes
+
+
+def _piece_check(value: str) -> str:
+    try:
+        parse_piece(value)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
 def _budget_check(value: str) -> str:
     try:
         parse_budget(value)
@@ -135,6 +168,10 @@ CORE_OPTIONS: dict[str, Option] = {
         "budget", str, "100%", "device bytes for weights: bytes, '2GiB' or '50%'",
         check=_budget_check,
     ),
+    "offload.piece": Option(
+        "piece", str, "32MiB", "weights larger than this are streamed in pieces of this size",
+        check=_piece_check,
+    ),
 }  # fmt: skip
 
 
@@ -169,6 +206,11 @@ class Config:
     @property
     def budget(self) -> Budget:
         return parse_budget(self["offload.budget"])
+
+    @property
+    def piece_bytes(self) -> int:
+        """``offload.piece`` in bytes."""
+        return parse_piece(self["offload.piece"])
 
     def plugin_options(self, seam: Seam, name: str) -> dict[str, Any]:
         """The validated options of plugin ``name`` in ``seam`` (defaults filled in)."""

@@ -30,7 +30,11 @@ rotated). A step's time is host wall-clock from the call to logits (native/ort: 
 host; HF: next tokens on the device, synchronised); on CUDA the device time between CUDA events
 around the step is recorded beside it. Reported: median, min and max over every timed step.
 
-``--offload POLICY --budget 50%``: see the end of ``--help``.
+``--offload POLICY --budget 100%,75%,50%,25% --piece 32MiB``: one ``native-offload@BUDGET`` mode
+per budget (``native-offload`` when one budget is given), at every batch (``--batches 1,2,4,8`` or
+``--batches 1 2 4 8``); see the end of ``--help``. ``--spec qwen2.5-1.5b`` picks a larger model
+(hidden 1536, 28 layers, vocab 151936, tied: 3.1 GB in bf16) whose tied table alone is over a
+quarter of it; ``--spec qwen2.5-0.5b`` is the default, any other text is `ModelSpec.parse` input.
 
 Every part (model build, copy bandwidth, each mode at each batch, the HF reference) is guarded:
 an error is recorded in the JSON (``errors``) and the rest still runs.
@@ -68,17 +72,23 @@ QWEN_SPEC = (
     "hidden=896,layers=24,heads=14,kv_heads=2,head_dim=64,intermediate=4864,vocab=151936,"
     "tie=true,bias=true,theta=1000000,eps=1e-6,dtype=bf16,type=qwen2"
 )
+QWEN15_SPEC = (
+    "hidden=1536,layers=28,heads=12,kv_heads=2,head_dim=128,intermediate=8960,vocab=151936,"
+    "tie=true,bias=true,theta=1000000,eps=1e-6,dtype=bf16,type=qwen2"
+)
+SPEC_PRESETS = {"qwen2.5-0.5b": QWEN_SPEC, "qwen2.5-1.5b": QWEN15_SPEC}
 CPU_MODES = ("ort", "native-never", "native-warmup")
 CUDA_MODES = ("native-capture", "native-eager", "hf-eager")
 TARGET_B1_MS = 0.5
 TARGET_SCALING = 10.0
 OFFLOAD_NOTE = (
-    "adds a mode 'native-offload': the native backend with offload=POLICY (a registered offload "
-    "policy) and budget=BUDGET (weights in an ep.offload.WeightStore; warmup capture, which runs "
-    "eagerly when the plan is not address-stable). Reported: the store's counters, host-to-device "
-    "bytes per timed step and per token, and on CUDA ms per step / (bytes streamed per step / "
-    "pinned host-to-device bandwidth measured in the same run), target <= 1.2. Needs a "
-    "NativeBackend that takes offload= and budget=; without it the mode is skipped with a note."
+    "adds a mode 'native-offload@BUDGET' per budget (a comma list: 100%%,75%%,50%%,25%%): the "
+    "native backend with offload=POLICY (a registered offload policy), budget=BUDGET and "
+    "piece=PIECE (weights over PIECE bytes streamed in pieces; warmup capture, which runs eagerly "
+    "when the plan is not address-stable). Reported per (budget, batch): the store's counters, "
+    "host-to-device bytes per timed step and per token, byte hit rate, ms per step and ms per "
+    "step / (bytes streamed per step / pinned host-to-device bandwidth measured in the same run), "
+    "target <= 1.2 on CUDA. Without an offload= in NativeBackend the modes are skipped."
 )
 
 
@@ -100,7 +110,8 @@ class Settings:
     seed: int
     no_hf: bool
     offload: str
-    budget: str
+    budgets: tuple[str, ...]
+    piece: str
     spec: str
     run_on: str
 
@@ -227,10 +238,52 @@ def _htod_bytes(backend: Any) -> int:
     return int(counters["htod_bytes"]) if counters else 0
 
 
+def offload_rows(rows: list[dict[str, Any]], htod: dict[str, float] | None) -> None:
+    """Per offload row: byte hit rate, and ms/step over the streamed bytes' copy time."""
+    for row in rows:
+        off = row.get("offload")
+        if not off:
+            continue
+        off["byte_hit_rate"] = off["counters"]["byte_hit_rate"]
+        per_step = off.get("htod_bytes_per_step")
+        if htod and per_step and "step_ms" in row:
+            floor = per_step / htod["bytes_per_s"] * 1e3
+            off["stream_floor_ms"] = floor
+            off["ms_over_stream_floor"] = row["step_ms"]["median"] / floor
+
+
+def offload_mode(s: Settings, budget: str) -> str:
+    """``native-offload`` for a single budget, else ``native-offload@BUDGET``."""
+    return "native-offload" if len(s.budgets) == 1 else f"native-offload@{budget}"
+
+
+def offload_backends(
+    model: Callable[[], Any], s: Settings, device: Any, notes: list[str], errors: Errors
+) -> dict[str, Any]:
+    """One native backend per ``--budget`` (by mode name), each with a freshly loaded model."""
+    out: dict[str, Any] = {}
+    for budget in s.budgets:
+        mode = offload_mode(s, budget)
+        try:
+            found = offload_backend(model(), s, device, notes, errors, budget, mode)
+        except Exception as exc:
+            errors.add(f"build {mode}", exc)
+            continue
+        if found is not None:
+            out[mode] = found
+    return out
+
+
 def offload_backend(
-    model: Any, s: Settings, device: Any, notes: list[str], errors: Errors
+    model: Any,
+    s: Settings,
+    device: Any,
+    notes: list[str],
+    errors: Errors,
+    budget: str,
+    mode: str = "native-offload",
 ) -> Any | None:
-    """The native backend with ``--offload``/``--budget`` (None, with a note, when unsupported)."""
+    """The native backend with ``--offload``, ``budget`` and ``--piece`` (None when unsupported)."""
     import inspect
 
     from ep.config import check_implements
@@ -246,13 +299,15 @@ def offload_backend(
         entry = get_host().registry.get("offload", s.offload, where=f"--offload {s.offload}")
         policy = entry.factory(option_values(entry, {}))
         check_implements("offload", policy, entry)
+        takes_piece = "piece" in inspect.signature(NativeBackend).parameters
+        extra: dict[str, Any] = {"piece": s.piece} if takes_piece else {}
         return NativeBackend(
             model, make_layout(s.layout), device=device, capture=WarmupCapture(steps=2),
-            offload=policy, budget=s.budget, cache_dir=s.work,
+            offload=policy, budget=budget, cache_dir=s.work, **extra,
             sources={"offload": "command line --offload", "budget": "command line --budget"},
         )  # fmt: skip
     except Exception as exc:
-        errors.add("build native-offload", exc)
+        errors.add(f"build {mode}", exc)
         return None
 
 
@@ -326,14 +381,20 @@ def bench_cpu(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
         except Exception as exc:
             errors.add(f"build {mode}", exc)
     modes = list(CPU_MODES)
+    htod: dict[str, float] | None = None
     if s.offload:
-        modes.append("native-offload")
-        found = offload_backend(model, s, "cpu", notes, errors)
-        if found is not None:
-            backends["native-offload"] = found
+        modes += [offload_mode(s, b) for b in s.budgets]
+        backends |= offload_backends(lambda: model, s, "cpu", notes, errors)
+        try:
+            from ep.device import get_device
+
+            htod = htod_bandwidth(get_device("cpu"), 16 << 20, reps=5)
+        except Exception as exc:
+            errors.add("host-to-device bandwidth", exc)
     runs = interleave(s, modes, backends, model.vocab_size, model.eos_token_ids, errors)
     close_all(backends, errors)
     rows = [r.summary() for r in runs]
+    offload_rows(rows, htod)
     mismatches = token_mismatches(runs, reference="ort")
     ratios: dict[str, Any] = {}
     for b in s.batches:
@@ -350,6 +411,7 @@ def bench_cpu(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
             "vocab": model.vocab_size,
         },
         "rows": rows,
+        **({"htod": htod} if htod else {}),
         "ratio_native_over_ort": ratios,
         "tokens_match": not mismatches and bool(runs),
         "token_mismatches": mismatches,
@@ -630,12 +692,8 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
                 result["htod"] = htod_bandwidth(dev, 256 << 20, reps=20)
             except Exception as exc:
                 errors.add("host-to-device bandwidth", exc)
-            try:
-                found = offload_backend(load_model(folder), s, dev, notes, errors)
-                if found is not None:
-                    runners["native-offload"] = found
-            except Exception as exc:
-                errors.add("build native-offload", exc)
+            model_folder = folder
+            runners |= offload_backends(lambda: load_model(model_folder), s, dev, notes, errors)
     if s.no_hf:
         result["hf"] = {"skipped": "--no-hf"}
     elif hf_unfit:
@@ -659,18 +717,11 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
 
     modes = [m for m in CUDA_MODES if m != "hf-eager" or "hf-eager" in runners]
     if s.offload:
-        modes.insert(2, "native-offload")
+        modes[2:2] = [offload_mode(s, b) for b in s.budgets]
     runs = interleave(s, modes, runners, vocab, banned, errors, timer)
     close_all(runners, errors)
     result["rows"] = [r.summary() for r in runs]
-    htod = result.get("htod")
-    if htod:
-        for row in result["rows"]:
-            per_step = row.get("offload", {}).get("htod_bytes_per_step")
-            if per_step and "step_ms" in row:
-                floor = per_step / htod["bytes_per_s"] * 1e3
-                row["offload"]["stream_floor_ms"] = floor
-                row["offload"]["ms_over_stream_floor"] = row["step_ms"]["median"] / floor
+    offload_rows(result["rows"], result.get("htod"))
     mismatches = token_mismatches([r for r in runs if r.mode != "hf-eager"], "native-eager")
     result["tokens_match"] = not mismatches
     result["token_mismatches"] = mismatches
@@ -719,11 +770,11 @@ def table(payload: dict[str, Any]) -> str:
     lines = [
         f"machine: {m.get('cpu')} ({m.get('usable_cores')} cores), python {m.get('python')}"
         + (f", {gpu}" if gpu else ""),
-        f"{'mode':15s} {'batch':>5s} {'ms/step':>9s} {'min..max':>17s} {'tok/s':>9s}  note",
+        f"{'mode':19s} {'batch':>5s} {'ms/step':>9s} {'min..max':>17s} {'tok/s':>9s}  note",
     ]
     for row in payload.get("rows", []):
         if "step_ms" not in row:
-            lines.append(f"{row['mode']:15s} {row['batch']:5d}  -- {row.get('error', 'no data')}")
+            lines.append(f"{row['mode']:19s} {row['batch']:5d}  -- {row.get('error', 'no data')}")
             continue
         t = row["step_ms"]
         note = []
@@ -739,9 +790,28 @@ def table(payload: dict[str, Any]) -> str:
             if "ms_over_stream_floor" in off:
                 note.append(f"ms/stream floor {off['ms_over_stream_floor']:.2f} (target <= 1.2)")
         lines.append(
-            f"{row['mode']:15s} {row['batch']:5d} {t['median']:9.3f} "
+            f"{row['mode']:19s} {row['batch']:5d} {t['median']:9.3f} "
             f"{t['min']:8.3f}..{t['max']:<8.3f} {row['tokens_per_s']:9.1f}  {' '.join(note)}"
         )
+    offloaded = [r for r in payload.get("rows", []) if r.get("offload") and "step_ms" in r]
+    if offloaded:
+        lines.append(
+            f"{'offload mode':22s} {'batch':>5s} {'htod/token':>12s} {'byte hit':>9s} "
+            f"{'ms/step':>9s} {'ms/stream floor':>16s}"
+        )
+        for row in offloaded:
+            off = row["offload"]
+            ratio = off.get("ms_over_stream_floor")
+            lines.append(
+                f"{row['mode']:22s} {row['batch']:5d} {off['htod_bytes_per_token']:12.0f} "
+                f"{off['byte_hit_rate']:9.3f} {row['step_ms']['median']:9.3f} "
+                + (f"{ratio:16.2f}" if ratio is not None else f"{'-':>16s}")
+            )
+        if "htod" in payload:
+            lines.append(
+                f"host-to-device bandwidth {payload['htod']['bytes_per_s'] / 1e9:.2f} GB/s "
+                "(pinned, this run); ms/stream floor target <= 1.2 on CUDA"
+            )
     for key, value in payload.get("ratio_native_over_ort", {}).items():
         lines.append(f"ratio {key}: {value:.2f}")
     if any("capture" in r for r in payload.get("rows", [])):
@@ -784,7 +854,9 @@ def parse_args(argv: list[str] | None) -> Settings:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", default=str(TINY_MODEL), help="CPU mode's model folder")
-    parser.add_argument("--batches", type=int, nargs="+", help="default: cpu 1 4; cuda 1 4 16")
+    parser.add_argument(
+        "--batches", "--batch", nargs="+", help="1 2 4 or 1,2,4 (default: cpu 1 4; cuda 1 4 16)"
+    )
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps after the prefill")
     parser.add_argument("--steps", type=int, help="timed steps per repeat (cpu 32, cuda 64)")
@@ -803,8 +875,8 @@ def parse_args(argv: list[str] | None) -> Settings:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--spec", default=QWEN_SPEC, help="CUDA mode's model (ModelSpec.parse text; default: "
-        "the Qwen2.5-0.5B shape)",
+        "--spec", default="qwen2.5-0.5b", help="CUDA mode's model: qwen2.5-0.5b (default), "
+        "qwen2.5-1.5b (does not fit a small budget) or ModelSpec.parse text",
     )  # fmt: skip
     parser.add_argument(
         "--run-on", default="", help="run the --device cuda benchmark on this device instead "
@@ -812,8 +884,22 @@ def parse_args(argv: list[str] | None) -> Settings:
     )  # fmt: skip
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers reference")
     parser.add_argument("--offload", default="", help="an offload policy: adds native-offload")
-    parser.add_argument("--budget", default="50%", help="offload budget, e.g. 50%% or 2GiB")
+    parser.add_argument(
+        "--budget", "--budgets", default="50%",
+        help="offload budget(s), comma-separated, e.g. 100%%,75%%,50%%,25%% or 2GiB",
+    )  # fmt: skip
+    parser.add_argument(
+        "--piece", default="32MiB", help="offload.piece: weights over this are streamed in pieces"
+    )
     a = parser.parse_args(argv)
+    batches: list[int] = []
+    for item in a.batches or []:
+        for part in str(item).split(","):
+            if not part.strip().isdigit():
+                parser.error(f"--batches {item!r}: expected integers, e.g. 1,2,4,8 or 1 2 4 8")
+            batches.append(int(part))
+    a.batches = batches or None
+    budgets = tuple(b.strip() for b in a.budget.split(",") if b.strip())
     for name in ("prompt", "steps", "repeats"):
         value = getattr(a, name)
         if value is not None and value < 1:
@@ -821,11 +907,15 @@ def parse_args(argv: list[str] | None) -> Settings:
     if a.warmup < 0 or any(b < 1 for b in a.batches or [1]):
         parser.error("--warmup must be >= 0 and every --batches value >= 1")
     if a.offload:
-        from ep.config import parse_budget
+        from ep.config import parse_budget, parse_piece
         from ep.errors import ConfigError
 
         try:
-            parse_budget(a.budget)
+            if not budgets:
+                raise ConfigError(f"--budget {a.budget!r}: give at least one budget, e.g. 50%")
+            for budget in budgets:
+                parse_budget(budget)
+            parse_piece(a.piece)
         except ConfigError as exc:
             parser.error(str(exc))
     cuda = a.device == "cuda"
@@ -845,8 +935,9 @@ def parse_args(argv: list[str] | None) -> Settings:
         seed=a.seed,
         no_hf=a.no_hf,
         offload=a.offload,
-        budget=a.budget,
-        spec=a.spec,
+        budgets=budgets,
+        piece=a.piece,
+        spec=SPEC_PRESETS.get(a.spec.strip().lower(), a.spec),
         run_on=a.run_on or a.device,
     )
 
@@ -858,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {
         "tool": "bench_native",
         "machine": machine_info("onnxruntime", "onnxruntime-extensions", "cuda-core", "ml_dtypes"),
-        "settings": vars(s) | {"batches": list(s.batches)},
+        "settings": vars(s) | {"batches": list(s.batches), "budgets": list(s.budgets)},
         "notes": [],
     }
     print("machine:", json.dumps(payload["machine"]), flush=True)
@@ -867,7 +958,7 @@ def main(argv: list[str] | None = None) -> int:
             f"--warmup {s.warmup} < 3: the warmup policy captures at step 3, inside the timing"
         )
     if s.offload:
-        payload["offload"] = {"policy": s.offload, "budget": s.budget}
+        payload["offload"] = {"policy": s.offload, "budgets": list(s.budgets), "piece": s.piece}
     t0 = time.perf_counter()
     try:
         bench = bench_cuda if s.device == "cuda" else bench_cpu

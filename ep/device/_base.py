@@ -1029,6 +1029,89 @@ class Device:
         self._copy(dst, dst_offset, src, src_offset, nbytes, stream)
         self._ledger.add(direction, nbytes)
 
+    def copy_2d(
+        self,
+        dst: Buffer,
+        src: Buffer,
+        *,
+        width: int,
+        height: int,
+        dst_pitch: int,
+        src_pitch: int,
+        stream: Stream,
+        dst_offset: int = 0,
+        src_offset: int = 0,
+    ) -> None:
+        """Copy ``height`` rows of ``width`` bytes: row r from ``src_offset + r * src_pitch`` of
+        ``src`` to ``dst_offset + r * dst_pitch`` of ``dst`` (all in bytes).
+
+        E.g. a [M, n] block into columns [n0, n0 + n) of an [M, N] matrix: ``width = n * item``,
+        ``dst_pitch = N * item``, ``src_pitch = n * item``, ``dst_offset = n0 * item``. Counted
+        as ``width * height`` bytes; capturable (CUDA: ``cuMemcpy2DAsync``).
+        """
+        self._check_stream(stream)
+        for role, buffer in (("dst", dst), ("src", src)):
+            if not isinstance(buffer, Buffer):
+                raise DeviceError(f"copy_2d {role} must be a Buffer, got {type(buffer).__name__}")
+            buffer._check_open(f"copy_2d {role}")
+            if buffer.device is not self:
+                raise DeviceError(f"copy_2d {role} {buffer.name!r} is on {buffer.device.name}")
+        sizes = {
+            "width": width, "height": height, "dst_pitch": dst_pitch, "src_pitch": src_pitch,
+            "dst_offset": dst_offset, "src_offset": src_offset,
+        }  # fmt: skip
+        for key, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+                raise DeviceError(
+                    f"copy_2d {src.name!r} -> {dst.name!r}: {key}={value!r} must be an integer "
+                    ">= 0 (bytes or rows)"
+                )
+        if width > dst_pitch or width > src_pitch:
+            raise DeviceError(
+                f"copy_2d {src.name!r} -> {dst.name!r}: width={width} bytes is wider than "
+                f"dst_pitch={dst_pitch} or src_pitch={src_pitch}; rows would overlap. Pass pitches "
+                ">= width (the byte distance between the starts of two rows)"
+            )
+        if width == 0 or height == 0:
+            return
+        spans: dict[str, tuple[int, int]] = {}
+        for role, buffer, offset, pitch in (
+            ("src", src, int(src_offset), int(src_pitch)),
+            ("dst", dst, int(dst_offset), int(dst_pitch)),
+        ):
+            end = offset + (int(height) - 1) * pitch + int(width)
+            if end > buffer.nbytes:
+                raise DeviceError(
+                    f"copy_2d of {height} rows of {width} bytes (pitch {pitch}) at "
+                    f"{role}_offset={offset} runs past the end of {buffer.name!r} "
+                    f"({buffer.nbytes} bytes; needs {end})"
+                )
+            spans[role] = (buffer.offset + offset, buffer.offset + end)
+        if dst._memory is src._memory:
+            (a0, a1), (b0, b1) = spans["dst"], spans["src"]
+            if a0 < b1 and b0 < a1:
+                raise DeviceError(
+                    f"copy_2d {src.name!r} -> {dst.name!r}: the byte spans overlap in one "
+                    "allocation, which CUDA copies leave undefined; copy through a scratch buffer"
+                )
+        direction = {
+            ("host", "device"): "htod_bytes",
+            ("device", "host"): "dtoh_bytes",
+            ("device", "device"): "dtod_bytes",
+            ("host", "host"): "htoh_bytes",
+        }[(src.location, dst.location)]
+        nbytes = int(width) * int(height)
+        args = (int(width), int(height), int(dst_pitch), int(src_pitch))
+        recording = stream._recording
+        if recording is not None:
+            recording.bind(dst)
+            recording.bind(src)
+            recording.copied[direction] += nbytes
+            self._copy_2d(dst, int(dst_offset), src, int(src_offset), *args, stream)
+            return
+        self._copy_2d(dst, int(dst_offset), src, int(src_offset), *args, stream)
+        self._ledger.add(direction, nbytes)
+
     def _host_transfer_checks(self, buffer: Buffer, stream: Stream, what: str) -> None:
         self._check_stream(stream)
         if not isinstance(buffer, Buffer):
@@ -1167,6 +1250,20 @@ class Device:
         stream: Stream,
     ) -> None:
         raise self._missing("_copy")
+
+    def _copy_2d(
+        self,
+        dst: Buffer,
+        dst_offset: int,
+        src: Buffer,
+        src_offset: int,
+        width: int,
+        height: int,
+        dst_pitch: int,
+        src_pitch: int,
+        stream: Stream,
+    ) -> None:
+        raise self._missing("_copy_2d")
 
     def _upload(self, dst: Buffer, data: np.ndarray, stream: Stream) -> None:
         raise self._missing("_upload")

@@ -103,6 +103,27 @@ class CPUDevice(Device):
         source = src._bytes()[src_offset : src_offset + nbytes]
         self._submit(stream, functools.partial(np.copyto, target, source))
 
+    def _copy_2d(
+        self,
+        dst: Buffer,
+        dst_offset: int,
+        src: Buffer,
+        src_offset: int,
+        width: int,
+        height: int,
+        dst_pitch: int,
+        src_pitch: int,
+        stream: Stream,
+    ) -> None:
+        def rows(buffer: Buffer, offset: int, pitch: int) -> np.ndarray:
+            raw = buffer._bytes()[offset : offset + (height - 1) * pitch + width]
+            return np.lib.stride_tricks.as_strided(raw, (height, width), (pitch, 1))
+
+        # Views taken now, as in `_copy`: a recording holds the memory it was captured with.
+        target = rows(dst, dst_offset, dst_pitch)
+        source = rows(src, src_offset, src_pitch)
+        self._submit(stream, functools.partial(np.copyto, target, source))
+
     def _upload(self, dst: Buffer, data: np.ndarray, stream: Stream) -> None:
         dst._bytes()[:] = data.reshape(-1).view(np.uint8)
 

@@ -20,7 +20,8 @@ run at that size, the real rows first and padding rows (pad id, position -1: not
 attended, length 0) after; only the real rows' logits and tokens are returned.
 
 Weights: by default every initializer is resident (`ResidentWeights`). With ``offload=`` (an
-offload policy) and ``budget=``, the weights go into an `ep.offload.WeightStore` on this
+offload policy), ``budget=`` and ``piece=`` (``offload.piece``: weights larger than this are held
+in pieces, one kernel call each), the weights go into an `ep.offload.WeightStore` on this
 backend's stream: resident ones are bound once, the others fetched by their kernel's call at every
 step; each prefill and decode step is bracketed by ``begin_step`` / ``end_step(tokens=batch)``
 and captures and replays are reported to the store (`CaptureManager`). `offload_counters` is
@@ -37,17 +38,23 @@ from typing import Any
 
 import numpy as np
 
-from ep.config import Budget, parse_budget
-from ep.device import Device, binding_signature, get_device
+from ep.config import MIN_PIECE_BYTES, Budget, parse_budget, parse_piece
+from ep.device import Device, PinnedBuffer, binding_signature, get_device
 from ep.errors import ConfigError, ContractError, GenerationError, OffloadError
 from ep.model import DecoderModel, default_cache_dir, load_model
 from ep.native import _kernels as nk
 from ep.native.capture import CaptureManager, CaptureMetrics
 from ep.native.kv import DeviceKVCache
-from ep.native.plan import KVBinding, StepPlan, weight_reads
+from ep.native.plan import KVBinding, StepPlan, split_specs, weight_reads
 from ep.native.program import Program, load_program
 from ep.native.weights import OffloadedWeights, ResidentWeights, WeightSource
-from ep.offload import AccessTrace, WeightStore, weight_infos
+from ep.offload import (
+    DEFAULT_PIECE_BYTES,
+    AccessTrace,
+    WeightStore,
+    split_weights,
+    weight_infos,
+)
 from ep.runtime.kv import prompt_lengths
 from ep.seams import BindingSignature, CapturePolicy, KVLayout, OffloadPolicy, StepInfo
 
@@ -89,6 +96,7 @@ class NativeBackend:
         weights: WeightSource | WeightStore | None = None,
         offload: OffloadPolicy | None = None,
         budget: Budget | int | str | None = None,
+        piece: int | str | None = None,
         sources: Mapping[str, str] | None = None,
         cache_dir: str | Path | None = None,
         sync_every: int = 1,
@@ -106,7 +114,7 @@ class NativeBackend:
         from ep.kernels.matmul import matmul_workspace
 
         self.device.compile_all()  # every kernel before any capture
-        self.program = load_program(model.onnx_path)
+        self.program = load_program(model.onnx_path, prepack=self.device.kind != "cpu")
         if offload is not None and weights is not None:
             raise OffloadError(
                 "NativeBackend got both weights= and offload=: pass an offload policy (and "
@@ -116,7 +124,7 @@ class NativeBackend:
         self.weights: WeightSource
         if offload is not None:
             store = offload_store(self.program, offload, budget, device=self.device,
-                                  stream=self.stream)  # fmt: skip
+                                  stream=self.stream, piece=piece)  # fmt: skip
             self.weights = OffloadedWeights(store, tables)
         elif isinstance(weights, WeightStore):
             self.weights = OffloadedWeights(weights, tables)
@@ -151,6 +159,7 @@ class NativeBackend:
         self.lens = np.zeros(0, np.int64)  # per row the step runs at (padding rows: 0)
         self._real = 0  # the caller's rows: the first ones
         self._loop: dict[int, _LoopBuffers] = {}
+        self._pinned_logits: dict[tuple[int, ...], PinnedBuffer] = {}
         self.decode_syncs = 0  # host synchronisations of decode steps (one per step or steps)
         self.sync_every = sync_every
         self._decoding = False
@@ -321,13 +330,13 @@ class NativeBackend:
         for call in bound.calls:
             call()
         self._end_step(batch, bound.fixed)  # the real rows' tokens
-        logits = plan.logits.to_host(stream=self.stream)
+        logits = self._logits_to_host(plan)
         self._check_faults()
         self.lens = padded
         self._real = batch
         self._decoding = True
         self._growths_seen = kv.growths
-        return np.ascontiguousarray(logits[:batch, -1], dtype=np.float32)
+        return np.array(logits[:batch, -1], dtype=np.float32)  # a copy: the buffer is reused
 
     def _decode_once(self, plan: StepPlan, ahead: int) -> None:
         """One decode step of ``plan`` (its ids and positions already on the device), the
@@ -364,6 +373,21 @@ class NativeBackend:
         self.capture.run(info, bound.calls, growths=kv.growths)
         self._end_step(self._real, bound.fixed)  # the real rows' tokens
 
+    def _logits_to_host(self, plan: StepPlan) -> np.ndarray:
+        """The step's logits on the host, through a pinned buffer kept per shape: a copy from
+        pageable memory runs at a fraction of the bus speed (batch 16 x 151936 fp32 logits are
+        9.7 MB a step). The result is the caller's (the pinned buffer is reused)."""
+        logits = plan.logits
+        pinned = self._pinned_logits.get(logits.shape)
+        if pinned is None:
+            pinned = self.device.alloc_pinned(
+                logits.shape, logits.dtype, stream=self.stream, name=f"logits:{logits.shape}"
+            )
+            self._pinned_logits[logits.shape] = pinned
+        self.device.copy(pinned, logits, stream=self.stream)
+        self.stream.sync()
+        return pinned.array
+
     def _upload_step(self, plan: StepPlan, tokens: np.ndarray) -> None:
         """The step's input ids (padding rows: the pad id) and positions (padding rows: -1)."""
         batch = self._real
@@ -385,11 +409,11 @@ class NativeBackend:
         plan = self._plan(self.lens.size, 1)
         self._upload_step(plan, tokens)
         self._decode_once(plan, 0)
-        logits = plan.logits.to_host(stream=self.stream)
+        logits = self._logits_to_host(plan)
         self._check_faults()
         self.decode_syncs += 1
         self.lens[: self._real] += 1
-        return np.ascontiguousarray(logits[: self._real, 0], dtype=np.float32)
+        return np.array(logits[: self._real, 0], dtype=np.float32)  # a copy: reused buffer
 
     def steps(
         self,
@@ -500,26 +524,40 @@ def offload_store(
     *,
     device: Device,
     stream: Any,
+    piece: int | str | None = None,
 ) -> WeightStore:
     """The `WeightStore` of ``program``'s weights under ``policy`` and ``budget`` (default 100%).
 
     The weights are the initializers the kernels read (`weight_reads`), less the executor's own
-    tables, in the order one step reads them. The store gets one staging slot more than the most
-    weights one kernel reads at once (at least 2), and a policy that reserves slots of its own
-    (``slots``, e.g. scan_resistant) must reserve at least as many.
+    tables, in the order one step reads them. A weight larger than ``piece`` bytes (default
+    `ep.offload.DEFAULT_PIECE_BYTES`; ``offload.piece``) that `split_specs` allows is held in
+    pieces along its output axis, in that order piece by piece. The store gets one staging slot
+    more than the most weights (or pieces) one kernel reads at once (at least 2), and a policy
+    that reserves slots of its own (``slots``, e.g. scan_resistant) must reserve at least as
+    many.
     """
     reads = weight_reads(program)
     tables = {n for r in reads if r.op in _EXECUTOR_TABLES for n in r.weights}
+    piece_bytes = _piece_bytes(piece)
+    whole: dict[str, np.ndarray] = {}
+    for read in reads:
+        for name in read.weights:
+            if name not in tables and name not in whole:
+                whole[name] = np.ascontiguousarray(program.arrays[name])
+    arrays, splits = split_weights(whole, split_specs(program, frozenset(tables)), piece_bytes)
     order: list[str] = []
     ops: dict[str, str] = {}
     together = 1
     for read in reads:
         names = [n for n in read.weights if n not in tables]
         together = max(together, len(names))
-        for name in names:
-            if name not in ops:
-                ops[name] = read.op
-                order.append(name)
+        count = max((len(splits[n].pieces) for n in names if n in splits), default=1)
+        for i in range(count):  # piece i of every split weight of the node, as its call reads
+            for name in names:
+                stored = splits[name].pieces[i].name if name in splits else name
+                if stored not in ops:
+                    ops[stored] = read.op
+                    order.append(stored)
     slots = together + 1
     reserved = getattr(policy, "slots", None)
     if isinstance(reserved, int) and not isinstance(reserved, bool):
@@ -531,10 +569,24 @@ def offload_store(
                 f"set --set offload.{name}.slots={slots}"
             )
         slots = reserved
-    arrays = {name: np.ascontiguousarray(program.arrays[name]) for name in order}
     if budget is None:
         budget = "100%"
     if isinstance(budget, str):
         budget = parse_budget(budget)
     infos = weight_infos(arrays, order, ops=ops)
-    return WeightStore(device, arrays, infos, policy, budget, stream=stream, slots=slots)
+    return WeightStore(
+        device, arrays, infos, policy, budget, stream=stream, slots=slots, splits=splits
+    )
+
+
+def _piece_bytes(piece: int | str | None) -> int:
+    if piece is None:
+        return DEFAULT_PIECE_BYTES
+    if isinstance(piece, str):
+        return parse_piece(piece)
+    if isinstance(piece, bool) or not isinstance(piece, int) or piece < MIN_PIECE_BYTES:
+        raise ConfigError(
+            f"piece={piece!r}: the piece size must be a byte count of at least "
+            f"{MIN_PIECE_BYTES} (offload.piece, e.g. '32MiB' or 33554432)"
+        )
+    return piece

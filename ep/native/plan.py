@@ -12,11 +12,20 @@ Weights: a weight whose address the source says is fixed (``weights.fixed(name, 
 returns its buffer: a resident one) is bound once; every other weight is fetched by the call
 itself, ``weights.get(name, stream=...)`` right before its kernel, at every step, in the same
 order (the offload store streams or pages it in then). `weight_reads` lists what each node reads.
+
+Pieces: a weight the source holds in pieces (``weights.split(name)``, `ep.offload.SplitWeight`;
+`split_specs` says which weights may be split and along which axis) runs as one call per piece,
+each fetching its piece right before its kernel. A MatMul piece computes output columns
+``[n0, n1)``: the GEMV/GEMM of x against the piece into a scratch [M, n1 - n0] buffer (at M = 1
+straight into the output row), then a 2-D copy into the output's columns; every piece passes
+``split_n`` = the whole N, so each column gets the K split, and the arithmetic, of the unsplit
+product. A Gather piece writes the rows of the ids inside its vocabulary rows.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,9 +38,10 @@ from ep.errors import ModelError
 from ep.native import _kernels as nk
 from ep.native.program import Node, Program
 from ep.native.weights import WeightSource
+from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["KVBinding", "StepPlan", "WeightRead", "weight_reads"]
+__all__ = ["KVBinding", "StepPlan", "WeightRead", "split_specs", "weight_reads"]
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
 _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no weight read
@@ -54,9 +64,60 @@ def weight_reads(program: Program) -> list[WeightRead]:
     The same rule as `StepPlan.buffer`: a kernel input that no node produced (BitCast and
     Identity of an initializer are the initializer itself) and that is not a step input.
     """
+    return [read for _, read in _node_reads(program)]
+
+
+def _spec_of(node: Node, read: WeightRead, program: Program) -> dict[str, SplitSpec | None]:
+    """How ``node`` could read each of its weights in pieces (None: only whole)."""
+    names = read.weights
+    out: dict[str, SplitSpec | None] = dict.fromkeys(names)
+    arrays = program.arrays
+    if node.op == "Gather" and names and arrays[names[0]].ndim == 2:
+        table = names[0]
+        out[table] = SplitSpec((table,), (0,), int(arrays[table].shape[0]))
+    elif node.op == "MatMul" and names:
+        weight, n = names[-1], int(node.attrs["N"])
+        shape = arrays[weight].shape
+        transposed = int(node.attrs.get("transpose_b", 0)) == 1
+        if len(shape) == 2 and shape[0 if transposed else 1] == n:
+            out[weight] = SplitSpec((weight,), (0 if transposed else 1,), n)
+    elif node.op in ("MatMulNBits", "MatMulNBitsZP"):
+        group = tuple(names)
+        wanted = 3 if node.op == "MatMulNBitsZP" else 2
+        if len(group) == wanted and len(set(group)) == wanted:
+            spec = SplitSpec(group, (0,) * wanted, int(node.attrs["N"]))
+            out.update(dict.fromkeys(group, spec))
+    return out
+
+
+def split_specs(program: Program, exclude: frozenset[str] = frozenset()) -> list[SplitSpec]:
+    """The weights that may be held in pieces, and how (`ep.offload.split_weights`).
+
+    A weight qualifies when every node that reads it reads it the same splittable way: a Gather
+    table (rows), a MatMul weight (rows of [N, K], columns of [K, N]), MatMulNBits b, scales and
+    zero points (rows, one group). A tied table that a Gather and a ``transpose_b=1`` head both
+    read is split once, in vocabulary rows, for both. ``exclude``: weights kept whole.
+    """
+    seen: dict[str, set[SplitSpec | None]] = {}
+    for node, read in _node_reads(program):
+        for name, spec in _spec_of(node, read, program).items():
+            seen.setdefault(name, set()).add(spec)
+    specs: list[SplitSpec] = []
+    for found in seen.values():
+        if len(found) != 1:
+            continue
+        spec = next(iter(found))
+        if spec is None or spec in specs or any(n in exclude for n in spec.names):
+            continue
+        if all(seen.get(n) == {spec} for n in spec.names):
+            specs.append(spec)
+    return specs
+
+
+def _node_reads(program: Program) -> list[tuple[Node, WeightRead]]:
     produced = {n for n in program.inputs if n in ("input_ids", "positions")}
     aliases: dict[str, str] = {}
-    reads: list[WeightRead] = []
+    reads: list[tuple[Node, WeightRead]] = []
     for node in program.nodes:
         ins = [aliases.get(n, n) for n in node.inputs]
         if node.op in ("BitCast", "Identity") and ins[0] not in produced:
@@ -75,8 +136,13 @@ def weight_reads(program: Program) -> list[WeightRead]:
                     "neither an initializer nor computed by an earlier node; the graph is "
                     "incomplete (rebuild or re-export it)"
                 )
-        reads.append(WeightRead(node.name, node.op, tuple(names)))
+        reads.append((node, WeightRead(node.name, node.op, tuple(names))))
     return reads
+
+
+def _math_attrs(node: Node) -> dict[str, Any]:
+    """A node's attributes less its ``ep_node`` name tag."""
+    return {k: v for k, v in node.attrs.items() if k != "ep_node"}
 
 
 @dataclass(frozen=True)
@@ -117,6 +183,36 @@ class _FetchingCall:
     @property
     def weights(self) -> tuple[str, ...]:
         return tuple(name for _, name in self._slots)
+
+
+class _PieceCall:
+    """A node whose weights are held in pieces: per piece, fetch it, then run that piece's part.
+
+    ``parts``: (the piece names one part reads, in fetch order; the part's kernel calls, given
+    the fetched buffers). Every step fetches the same pieces in the same order, so a streamed
+    piece lands in the same staging slot each time (capture-safe).
+    """
+
+    __slots__ = ("_parts", "_stream", "_weights")
+
+    def __init__(
+        self,
+        parts: list[tuple[tuple[str, ...], Callable[[list[Buffer]], None]]],
+        weights: WeightSource,
+        stream: Stream,
+    ) -> None:
+        self._parts = parts
+        self._weights = weights
+        self._stream = stream
+
+    def __call__(self) -> None:
+        get, stream = self._weights.get, self._stream
+        for names, run in self._parts:
+            run([get(name, stream=stream) for name in names])
+
+    @property
+    def weights(self) -> tuple[str, ...]:
+        return tuple(name for names, _ in self._parts for name in names)
 
 
 @dataclass
@@ -188,9 +284,11 @@ class StepPlan:
         self._assign(tag)
         out = self.values[program.output]
         self.logits = device.alloc(out.shape, out.dtype, stream=stream, name=f"logits:{tag}")
-        self._attn_workspaces: dict[int, Buffer] = {}
+        self._attn_workspaces: dict[Any, Buffer | None] = {}
+        self._piece_scratch: dict[tuple[str, int], Buffer] = {}
         self.arena_bytes = self.arena.nbytes
         self.bound_weights: list[str] = []  # weights bound once by the last `bind`, per read
+        self.call_names: list[str] = []  # "op:node" of each call of the last `bind`
 
     # --- shapes --------------------------------------------------------------------------------
 
@@ -387,24 +485,145 @@ class StepPlan:
         """
         self.bound_weights = []
         calls: list[Callable[[], object]] = []
+        self.call_names = []
+        pairs = self._rotary_pairs()
+        joined = {k.name for k in pairs.values()}
         for node in self.program.nodes:
-            if node.op in _VIEWS:
+            if node.op in _VIEWS or node.name in joined:
                 continue
-            call = self._bind_node(node, kv)
+            call = self._bind_node(node, kv, pairs.get(node.name))
             if isinstance(call, functools.partial) and any(
                 isinstance(a, _Deferred) for a in (*call.args, *call.keywords.values())
             ):
                 call = _FetchingCall(call, self.weights, self.stream)
             calls.append(call)
+            self.call_names.append(f"{node.op}:{node.name}")
         return calls
 
-    def _bind_node(self, node: Node, kv: KVBinding) -> Callable[[], object]:
+    def _rotary_pairs(self) -> dict[str, Node]:
+        """Rotary nodes that run as one launch with the next one (q's rotation takes k's along):
+        same op, positions, tables and attributes, and k's input computed before q's rotation."""
+        nodes = self.program.nodes
+        made = {out: i for i, n in enumerate(nodes) for out in n.outputs}
+        pairs: dict[str, Node] = {}
+        rotary = [i for i, n in enumerate(nodes) if n.op in ("Rotary", "RotaryTheta")]
+        taken: set[str] = set()  # the k of a pair: not also the q of the next one
+        for i, j in itertools.pairwise(rotary):
+            q, k = nodes[i], nodes[j]
+            if q.name in taken:
+                continue
+            qx, kx = self.values[q.inputs[0]], self.values[k.inputs[0]]
+            if (
+                q.op == k.op
+                and q.inputs[1:] == k.inputs[1:]
+                and _math_attrs(q) == _math_attrs(k)
+                and qx.shape[-1] == kx.shape[-1]
+                and made.get(k.inputs[0], -1) < i
+                and q.outputs[0] not in k.inputs
+            ):
+                pairs[q.name] = k
+                taken.add(k.name)
+        return pairs
+
+    def _split(self, name: str) -> SplitWeight | None:
+        split = getattr(self.weights, "split", None)
+        return None if split is None else split(self.aliases.get(name, name))
+
+    def _scratch(self, dtype: np.dtype[Any], elements: int) -> Buffer:
+        """A [M, n] buffer for MatMul pieces (one per dtype and size, kept with the plan)."""
+        key = (dtype.str, elements)
+        found = self._piece_scratch.get(key)
+        if found is None:
+            found = self.device.alloc(
+                elements, dtype, stream=self.stream,
+                name=f"piece-scratch:{self.arena.name}:{dtype}:{elements}",
+            )  # fmt: skip
+            self._piece_scratch[key] = found
+        return found
+
+    def _bind_pieces(self, node: Node) -> _PieceCall | None:
+        """``node`` as one call per piece when its weight is held in pieces, else None."""
+        from ep.kernels import embed, matmul
+
+        dev, st, a, ins, outs = self.device, self.stream, node.attrs, node.inputs, node.outputs
+        if node.op == "Gather":
+            split = self._split(ins[0])
+            if split is None:
+                return None
+            out, ids, hidden = self.buffer(outs[0]), self.buffer(ins[1]), int(split.shape[1])
+            gather = functools.partial(
+                embed.embed, dev, out, ids=ids, count=self.batch * self.seq, vocab=split.size,
+                hidden=hidden, status=self.status, stream=st,
+            )  # fmt: skip
+            rows: list[tuple[tuple[str, ...], Callable[[list[Buffer]], None]]] = [
+                ((p.name,), functools.partial(_gather_piece, gather, p.start, p.stop))
+                for p in split.pieces
+            ]
+            return _PieceCall(rows, self.weights, st)
+        if node.op == "MatMul":
+            group = [self._split(str(a["weight"]))]
+        elif node.op in ("MatMulNBits", "MatMulNBitsZP"):
+            group = [self._split(n) for n in ins[1 : 4 if node.op == "MatMulNBitsZP" else 3]]
+        else:
+            return None
+        if group[0] is None:
+            return None
+        splits = [g for g in group if g is not None]
+        bounds = [(p.start, p.stop) for p in splits[0].pieces]
+        if len(splits) != len(group) or any(
+            [(p.start, p.stop) for p in g.pieces] != bounds for g in splits
+        ):
+            raise ModelError(
+                f"{node.name}: the weights of one {node.op} must be held in pieces with the same "
+                f"output boundaries (or all whole); got {[g and len(g.pieces) for g in group]}"
+            )
+        x = self._contiguous(node, ins[0])
+        k = int(a["K"]) if node.op != "MatMul" else x.shape[-1]
+        m, n_all = x.size // k, int(a["N"])
+        out = self.buffer(outs[0])
+        item = out.dtype.itemsize
+        widest = max(stop - start for start, stop in bounds)
+        scratch = self._scratch(out.dtype, m * widest) if m > 1 else None
+        if node.op == "MatMul":
+            kernel = functools.partial(
+                matmul.gemm, dev, x=self.buffer(ins[0]), M=m, K=k,
+                transpose_b=int(a["transpose_b"]), stream=st, workspace=self.matmul_workspace,
+                split_n=n_all,
+            )  # fmt: skip
+        else:
+            kernel = functools.partial(
+                matmul.gemm_nbits, dev, x=self.buffer(ins[0]), M=m, K=k,
+                block_size=int(a["block_size"]), bits=int(a["bits"]), stream=st,
+                workspace=self.matmul_workspace, split_n=n_all,
+            )  # fmt: skip
+        parts: list[tuple[tuple[str, ...], Callable[[list[Buffer]], None]]] = []
+        for i, (start, stop) in enumerate(bounds):
+            n = stop - start
+            if scratch is None:  # one row: the piece's columns are contiguous in the output
+                target = out.view(out.dtype, (n,), offset=start * item, name=f"{out.name}:{start}")
+                place = None
+            else:
+                target = scratch
+                place = functools.partial(
+                    dev.copy_2d, out, scratch, width=n * item, height=m, dst_pitch=n_all * item,
+                    src_pitch=n * item, dst_offset=start * item, stream=st,
+                )  # fmt: skip
+            run = functools.partial(_matmul_piece, kernel, target, n, node.op != "MatMul", place)
+            parts.append((tuple(g.pieces[i].name for g in splits), run))
+        return _PieceCall(parts, self.weights, st)
+
+    def _bind_node(
+        self, node: Node, kv: KVBinding, joined: Node | None = None
+    ) -> Callable[[], object]:
         from ep.kernels import attention, embed, matmul, mlp, norm, rotary
 
         dev, st, a = self.device, self.stream, node.attrs
         ins, outs, buf = node.inputs, node.outputs, self.buffer
         op = node.op
         b, s = self.batch, self.seq
+        pieces = self._bind_pieces(node)
+        if pieces is not None:
+            return pieces
         if op == "Gather":
             table = buf(ins[0])
             return functools.partial(
@@ -470,6 +689,12 @@ class StepPlan:
                 x_token_stride=x.tok, out_token_stride=self.values[outs[0]].tok,
                 status=self.status, stream=st,
             )  # fmt: skip
+            if joined is not None:  # k rotated by the same launch
+                kx = self.values[joined.inputs[0]]
+                common.update(
+                    k_out=buf(joined.outputs[0]), k=buf(joined.inputs[0]), kv_heads=kx.shape[2],
+                    k_token_stride=kx.tok, k_out_token_stride=self.values[joined.outputs[0]].tok,
+                )  # fmt: skip
             if op == "Rotary":
                 cos = buf(ins[2])
                 return functools.partial(
@@ -506,14 +731,12 @@ class StepPlan:
                 capacity=kv.capacity, max_context=kv.capacity, split=self.split_attention,
             )  # fmt: skip
             workspace = None
-            if plan.workspace_elems:
-                workspace = self._attn_workspaces.get(plan.workspace_elems)
-                if workspace is None:
-                    workspace = dev.alloc(
-                        plan.workspace_elems, np.float32, stream=st,
-                        name=f"attn-ws:{self.arena.name}:{plan.workspace_elems}",
-                    )  # fmt: skip
-                    self._attn_workspaces[plan.workspace_elems] = workspace
+            # one per plan: the split merge's counters sit at a place the plan decides
+            if plan not in self._attn_workspaces:
+                self._attn_workspaces[plan] = attention.attention_workspace(
+                    dev, plan, stream=st, name=f"attn-ws:{self.arena.name}:{plan.workspace_elems}"
+                )
+            workspace = self._attn_workspaces[plan]
             return functools.partial(
                 attention.kv_attention, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]), buf(ins[2]),
                 kv.keys[layer], kv.values[layer], batch=b, seq=s, heads=heads, kv_heads=kv_heads,
@@ -537,3 +760,27 @@ class StepPlan:
                 up_row_stride=u.tok if u.tok != u.per_token() else 0, stream=st,
             )  # fmt: skip
         raise ModelError(f"{node.name}: op {op} has no native implementation")
+
+
+def _gather_piece(
+    gather: Callable[..., None], start: int, stop: int, buffers: list[Buffer]
+) -> None:
+    gather(table=buffers[0], first_row=start, rows=stop - start)
+
+
+def _matmul_piece(
+    kernel: Callable[..., object],
+    target: Buffer,
+    n: int,
+    nbits: bool,
+    place: Callable[[], None] | None,
+    buffers: list[Buffer],
+) -> None:
+    """One MatMul piece: its n output columns into ``target``, then ``place`` them (2-D copy)."""
+    if nbits:
+        zero_points = buffers[2] if len(buffers) > 2 else None
+        kernel(out=target, b=buffers[0], scales=buffers[1], zero_points=zero_points, N=n)
+    else:
+        kernel(out=target, w=buffers[0], N=n)
+    if place is not None:
+        place()

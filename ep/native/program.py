@@ -3,6 +3,14 @@
 BitCast nodes (the fp16/bf16 carriers around this project's ops) are aliases here: the executor
 hands every op its real float dtype. Op names lose their dtype suffix (``MatMul_bf16`` is
 ``MatMul``).
+
+Weights are prepacked once here (``prepack=True``, the CUDA device's choice): a MatMul weight
+stored [K, N] (``transpose_b=0``, the ONNX orientation) that only such MatMuls read is
+transposed to [N, K] and its nodes get ``transpose_b=1``, because the decode GEMV reads [N, K]
+rows 2 to 3 times faster on the H200 (`ep.kernels.matmul`, docs/benchmarks/h200.md). The model
+file is not changed. The CPU device keeps the file's layout: its
+NumPy twins round a transposed product differently from ONNX Runtime's reference kernels, and the
+CPU gate is bitwise parity with them.
 """
 
 from __future__ import annotations
@@ -69,8 +77,8 @@ def _attr(a: onnx.AttributeProto) -> Any:
     return value
 
 
-def load_program(path: str | Path) -> Program:
-    """Read the ep graph at ``path`` (external data from beside it)."""
+def load_program(path: str | Path, *, prepack: bool = False) -> Program:
+    """Read the ep graph at ``path`` (external data from beside it); ``prepack``: see above."""
     path = Path(path)
     model = onnx.load(str(path))
     g = model.graph
@@ -103,6 +111,8 @@ def load_program(path: str | Path) -> Program:
             f"{path}: the native executor has no implementation for {', '.join(sorted(set(bad)))}"
             f"; it runs: {', '.join(sorted(SUPPORTED_OPS))}. Run this model with --backend ort"
         )
+    if prepack:
+        nodes = _prepack(nodes, arrays)
     return Program(
         path=path,
         nodes=nodes,
@@ -110,3 +120,36 @@ def load_program(path: str | Path) -> Program:
         inputs=tuple(i.name for i in g.input),
         output=g.output[0].name,
     )
+
+
+def _prepack(nodes: list[Node], arrays: dict[str, np.ndarray]) -> list[Node]:
+    """``nodes`` with every [K, N] MatMul weight read as [N, K] (``arrays`` updated in place).
+
+    A weight qualifies when every node that names it is a ``transpose_b=0`` MatMul (a tied
+    table that a Gather also reads keeps its layout). BitCast/Identity aliases of the weight are
+    followed, as `weight_reads` does.
+    """
+    readers: dict[str, list[int]] = {}
+    for i, node in enumerate(nodes):
+        names = list(node.inputs)
+        if node.op == "MatMul":
+            names.append(str(node.attrs["weight"]))
+        for name in names:
+            if name in arrays:
+                readers.setdefault(name, []).append(i)
+    out = list(nodes)
+    for name, users in readers.items():
+        array = arrays[name]
+        if array.ndim != 2 or not all(
+            nodes[i].op == "MatMul"
+            and str(nodes[i].attrs["weight"]) == name
+            and name not in nodes[i].inputs
+            and int(nodes[i].attrs.get("transpose_b", 0)) == 0
+            for i in users
+        ):
+            continue
+        arrays[name] = np.ascontiguousarray(array.T)
+        for i in users:
+            out[i] = Node(out[i].op, out[i].name, out[i].inputs, out[i].outputs,
+                          {**out[i].attrs, "transpose_b": 1})  # fmt: skip
+    return out

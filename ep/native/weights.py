@@ -5,7 +5,8 @@ initializer once and keeps it (capture-safe: no address ever changes). `Offloade
 offload policy's `ep.offload.WeightStore` behind the same interface: a resident weight is bound
 once (``fixed``), every other one is fetched by its call at each step; the step and capture hooks
 (`begin_step`, `end_step`, `begin_capture`, `end_capture`, `replayed`) keep the store's slots and
-ledger in step with what the executor ran.
+ledger in step with what the executor ran. A weight the store holds in pieces (``split(name)``
+returns its `ep.offload.SplitWeight`) is never fetched whole: its node runs one call per piece.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from ep.device import Buffer, Device, Stream
-from ep.errors import ModelError
-from ep.offload import AccessTrace, OffloadCounters, WeightStore
+from ep.errors import ModelError, OffloadError
+from ep.offload import AccessTrace, OffloadCounters, SplitWeight, WeightStore
 
 __all__ = ["OffloadedWeights", "ResidentWeights", "WeightSource"]
 
@@ -27,7 +28,8 @@ class WeightSource(Protocol):
     """Gives the device buffer of a weight by name; ``capture_safe``: addresses never change.
 
     Optional: ``fixed(name, *, stream) -> Buffer | None`` (a buffer whose address never changes,
-    bound once by the plan; without it every weight is fetched by its call at each step).
+    bound once by the plan; without it every weight is fetched by its call at each step), and
+    ``split(name) -> SplitWeight | None`` (a weight held in pieces, each fetched by its name).
     """
 
     @property
@@ -84,6 +86,7 @@ class OffloadedWeights:
         self.store = store
         self.tables = tables
         self._names = frozenset(store.layout.placements)
+        self._splits = store.splits
 
     @property
     def capture_safe(self) -> bool:
@@ -93,15 +96,30 @@ class OffloadedWeights:
     def reason(self) -> str:
         return f"{self.store.layout.policy}: {self.store.plan.reason}"
 
+    def split(self, name: str) -> SplitWeight | None:
+        """The pieces of a weight the store holds in pieces; None for a whole weight."""
+        return self._splits.get(name)
+
+    def _whole(self, name: str) -> None:
+        split = self._splits.get(name)
+        if split is not None:
+            raise OffloadError(
+                f"weight {name!r} is stored in {len(split.pieces)} pieces (offload.piece), so it "
+                f"has no buffer of its own; fetch its pieces ({split.pieces[0].name!r}, ...) one "
+                "call each"
+            )
+
     def get(self, name: str, *, stream: Stream) -> Buffer:
         if name in self._names:
             return self.store.get(name, stream=stream)
+        self._whole(name)
         return self.tables.get(name, stream=stream)
 
     def fixed(self, name: str, *, stream: Stream) -> Buffer | None:
         """A resident weight's buffer (bound once); None for a streamed or cached one."""
         if name in self._names:
             return self.store.resident_buffer(name)
+        self._whole(name)
         return self.tables.get(name, stream=stream)
 
     def fixed_reads(self, names: Sequence[str]) -> AccessTrace:

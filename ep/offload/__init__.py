@@ -37,11 +37,24 @@ every byte and serves each use::
   replay copies without calling ``get``; this keeps the ledger equal to the device's).
 - Ledger: ``htod_bytes`` (decode-time copies) + `WeightStore.loaded_bytes` (the residents, once)
   equals the device's host→device byte count for the store; ``peak_device_bytes`` ≤ budget.
+- Pieces (`split_weights`, ``offload.piece``): a weight larger than the piece size is cut along
+  its output axis into pieces, each a weight of the store (``name[start:stop]``); the policies
+  place pieces, a slot is the size of the largest streamed piece, and ``store.splits`` tells the
+  executor which weights it must run one call per piece for.
 """
 
 from __future__ import annotations
 
 from ep.offload._infos import decoder_use_order, weight_infos
+from ep.offload._pieces import (
+    DEFAULT_PIECE_BYTES,
+    PIECE_ROWS,
+    Piece,
+    SplitSpec,
+    SplitWeight,
+    piece_name,
+    split_weights,
+)
 from ep.offload._plan import (
     ALIGN,
     PLACEMENTS,
@@ -55,15 +68,22 @@ from ep.offload._store import AccessTrace, OffloadCounters, WeightStore
 
 __all__ = [
     "ALIGN",
+    "DEFAULT_PIECE_BYTES",
+    "PIECE_ROWS",
     "PLACEMENTS",
     "AccessTrace",
     "OffloadCounters",
+    "Piece",
+    "SplitSpec",
+    "SplitWeight",
     "StoreLayout",
     "WeightStore",
     "decoder_use_order",
     "describe_policy",
     "footprint",
     "min_cache_bytes",
+    "piece_name",
+    "split_weights",
     "validate_plan",
     "weight_infos",
 ]

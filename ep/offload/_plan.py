@@ -59,7 +59,7 @@ class StoreLayout:
     resident_offsets: Mapping[str, int]  # byte offset of each resident weight in the arena
     resident_bytes: int
     slots: int  # staging slots (0 when nothing is streamed)
-    slot_bytes: int  # bytes per slot: the footprint of the largest streamed weight
+    slot_bytes: int  # bytes per slot: the footprint of the largest streamed weight (or piece)
     cache_bytes: int  # capacity of the dynamic cache (0 without cache placements)
 
     @property
@@ -202,7 +202,7 @@ def validate_plan(
             biggest = max(streamed, key=lambda w: w.nbytes)
             parts.append(
                 f"{staging} for {n_slots} staging slots of {slot_bytes} (the largest streamed "
-                f"weight, {biggest.name!r})"
+                f"weight or piece, {biggest.name!r}; a smaller offload.piece shrinks them)"
             )
         if cached:
             parts.append(f"{cache_min} for the smallest workable cache ({slots} largest weights)")

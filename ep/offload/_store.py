@@ -17,6 +17,7 @@ import numpy as np
 from ep.config import Budget
 from ep.device import Buffer, Device, Event, PinnedBuffer, Stream, get_device
 from ep.errors import ContractError, EPError, OffloadBudgetError, OffloadError
+from ep.offload._pieces import SplitWeight
 from ep.offload._plan import StoreLayout, describe_policy, footprint, validate_plan
 from ep.seams import AccessDecision, OffloadPlan, OffloadPolicy, WeightInfo
 
@@ -110,6 +111,7 @@ class WeightStore:
         *,
         stream: Stream,
         slots: int = 2,
+        splits: Mapping[str, SplitWeight] | None = None,
     ) -> None:
         self.device = get_device(device)
         self.policy = policy
@@ -121,6 +123,7 @@ class WeightStore:
             )
         self._slots_wanted = slots
         self._infos = self._check_inputs(weights, infos)
+        self.splits: Mapping[str, SplitWeight] = self._check_splits(splits or {}, self._infos)
         total = sum(footprint(w.nbytes) for w in self._infos.values())
         budget_bytes, budget_text = self._resolve(budget, total)
 
@@ -169,6 +172,19 @@ class WeightStore:
                     "pass NumPy arrays and build infos from them"
                 )
         return by_name
+
+    @staticmethod
+    def _check_splits(
+        splits: Mapping[str, SplitWeight], infos: Mapping[str, WeightInfo]
+    ) -> dict[str, SplitWeight]:
+        for name, split in splits.items():
+            missing = [p.name for p in split.pieces if p.name not in infos]
+            if name in infos or missing:
+                raise OffloadError(
+                    f"split weight {name!r}: the store must hold its pieces ({missing[:3]} "
+                    "missing) and not the whole weight; pass the weights split_weights returned"
+                )
+        return dict(splits)
 
     @staticmethod
     def _resolve(budget: Budget | int, total: int) -> tuple[int, str]:

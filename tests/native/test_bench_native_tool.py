@@ -81,3 +81,29 @@ def test_differing_tokens_are_reported(tool: ModuleType) -> None:
     assert tool.token_mismatches(differ, reference="ort") == [
         "native batch 1 repeat 0: tokens differ from ort"
     ]
+
+
+def test_cpu_mode_sweeps_budgets_and_batches_in_pieces(tool: ModuleType, tmp_path: Path) -> None:
+    argv = ["--batches", "1,2", "--prompt", "6", "--warmup", "3", "--steps", "2", "--repeats", "1"]
+    argv += ["--offload", "scan_resistant", "--budget", "100%,25%", "--piece", "16KiB"]
+    assert tool.main([*argv, "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
+    data = json.loads((tmp_path / "bench_native.json").read_text())
+    assert data["errors"] == [] and data["tokens_match"] is True and data["htod"]["bytes_per_s"] > 0
+    rows = {(r["mode"], r["batch"]): r for r in data["rows"] if "offload" in r}
+    assert set(rows) == {(f"native-offload@{b}", n) for b in ("100%", "25%") for n in (1, 2)}
+    full, quarter = rows[("native-offload@100%", 1)]["offload"], rows[("native-offload@25%", 1)]
+    assert full["byte_hit_rate"] == 1.0 and "ms_over_stream_floor" not in full
+    assert quarter["offload"]["htod_bytes_per_token"] > 0
+    assert quarter["offload"]["ms_over_stream_floor"] > 0
+    # htod_bytes_per_token falls as 1/N: the same bytes per step serve twice the tokens
+    half = rows[("native-offload@25%", 2)]["offload"]["htod_bytes_per_token"]
+    assert half == pytest.approx(quarter["offload"]["htod_bytes_per_token"] / 2)
+
+
+def test_spec_presets_and_bad_sweeps(tool: ModuleType) -> None:
+    assert tool.parse_args(["--spec", "qwen2.5-1.5b"]).spec == tool.QWEN15_SPEC
+    assert tool.parse_args(["--batch", "1,2", "4"]).batches == (1, 2, 4)
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--offload", "stream", "--budget", "100%,lots"])
+    with pytest.raises(SystemExit):
+        tool.parse_args(["--offload", "stream", "--piece", "10%"])

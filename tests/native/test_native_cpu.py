@@ -136,3 +136,75 @@ def test_offload_not_address_stable_declines_with_inputs(tiny_ep: DecoderModel) 
     assert m.captures == 0 and m.fallbacks == 3
     assert m.last_decline["predicate"] == "offload plan is address-stable"
     assert "from config file" in m.last_decline["inputs"]["offload"]
+
+
+def test_prepack_reads_kn_weights_as_nk(tiny_ep: DecoderModel) -> None:
+    from ep.device import get_device
+    from ep.kernels import matmul
+    from ep.native import load_program
+
+    plain = load_program(tiny_ep.onnx_path)
+    packed = load_program(tiny_ep.onnx_path, prepack=True)
+    dev = get_device("cpu")
+    stream = dev.create_stream()
+    rng = np.random.default_rng(0)
+    turned = 0
+    for before, after in zip(plain.nodes, packed.nodes, strict=True):
+        if before.op != "MatMul":
+            assert after == before
+            continue
+        name = str(before.attrs["weight"])
+        w = plain.arrays[name]
+        if int(before.attrs["transpose_b"]) == 1:
+            assert after.attrs["transpose_b"] == 1 and packed.arrays[name] is not None
+            continue
+        turned += 1
+        assert after.attrs["transpose_b"] == 1
+        assert packed.arrays[name].flags.c_contiguous
+        np.testing.assert_array_equal(packed.arrays[name], w.T)
+        K, N = w.shape
+        x = rng.standard_normal((2, K)).astype(w.dtype)
+        outs = []
+        for weight, tb in ((w, 0), (packed.arrays[name], 1)):
+            bufs = [dev.alloc(a.size, a.dtype, stream=stream) for a in (x, weight)]
+            for buf, a in zip(bufs, (x, weight), strict=True):
+                buf.copy_from_host(a.reshape(-1), stream=stream)
+            y = dev.alloc(2 * N, w.dtype, stream=stream)
+            matmul.gemm(dev, y, *bufs, M=2, N=N, K=K, transpose_b=tb, stream=stream)
+            outs.append(y.to_host(stream=stream))
+        np.testing.assert_allclose(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    assert turned >= 3 * tiny_ep.num_layers  # qkv, o, gate_up and down of every layer
+
+
+def test_prepack_leaves_a_table_another_op_reads() -> None:
+    from ep.native.program import Node, _prepack
+
+    arrays = {"table": np.zeros((8, 4), np.float32), "w": np.ones((4, 6), np.float32)}
+    nodes = [
+        Node("Gather", "g", ("table", "ids"), ("h",)),
+        Node("MatMul", "head", ("h",), ("y",), {"weight": "table", "transpose_b": 0, "N": 8}),
+        Node("MatMul", "proj", ("h",), ("z",), {"weight": "w", "transpose_b": 0, "N": 6}),
+    ]
+    out = _prepack(nodes, arrays)
+    assert out[1] == nodes[1] and arrays["table"].shape == (8, 4)
+    assert out[2].attrs["transpose_b"] == 1 and arrays["w"].shape == (6, 4)
+
+
+def test_step_logits_stay_the_callers(tiny_ep: DecoderModel) -> None:
+    # the backend downloads through one reused pinned buffer: what it returned must not change
+    backend = NativeBackend(tiny_ep, SeqMajorLayout(min_capacity=16))
+    logits = backend.prefill([np.array(p) for p in PROMPTS[:2]])
+    first = backend.step(logits.argmax(1))
+    kept = first.copy()
+    second = backend.step(first.argmax(1))
+    assert np.array_equal(first, kept) and not np.shares_memory(first, second)
+
+
+def test_q_and_k_rotations_run_as_one_call(tiny_ep: DecoderModel) -> None:
+    backend = NativeBackend(tiny_ep, SeqMajorLayout(min_capacity=16))
+    backend.prefill([np.array(PROMPTS[0])])
+    (plan,) = backend._plans.values()
+    rotations = [n for n in plan.call_names if n.split(":")[0] in ("Rotary", "RotaryTheta")]
+    in_graph = [n for n in plan.program.nodes if n.op in ("Rotary", "RotaryTheta")]
+    assert len(in_graph) == 2 * tiny_ep.num_layers
+    assert len(rotations) == tiny_ep.num_layers  # q's launch rotates k too

@@ -1,0 +1,160 @@
+"""Where a native decode step's device time goes: per op, per kernel call, and the whole graph.
+
+On the benchmark's Qwen2.5-0.5B-shaped bf16 model (`bench_native.py`'s spec and build cache),
+for each ``--batch``: prefill a ``--prompt``-token prompt, run warm-up steps with the ``warmup``
+capture policy, then
+
+- **graph**: the captured decode graph replayed ``--reps`` times back to back between two CUDA
+  events (device ms per step, no host work);
+- **per op type**: a graph of only that op type's calls of the step (in step order), replayed
+  the same way: the device time of those kernels back to back, launch gaps included; the sum
+  over op types comes close to the whole graph's time;
+- **step**: ``backend.step`` wall-clock (logits on the host) and ``backend.steps(k)`` per step
+  (the device token loop, one synchronisation per ``k`` steps).
+
+    python3 tools/profile_native.py --out DIR      # on the H200: DIR/profile_native.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+for _path in (ROOT, ROOT / "plugins", ROOT / "graphs", ROOT / "tools"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from _bench import machine_info  # noqa: E402
+from bench_native import QWEN_SPEC, build_or_reuse, make_prompts, model_spec  # noqa: E402
+
+
+def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, Any]:
+    dev, stream = backend.device, backend.stream
+    vocab = backend.model.vocab_size
+    prompts = make_prompts(batch, s.prompt, vocab, seed=batch)
+    logits = backend.prefill(prompts)
+    tokens = logits.argmax(-1)
+    for _ in range(4):  # warm-up: eager steps, then a capture
+        tokens = backend.step(tokens).argmax(-1)
+    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
+
+    # the whole captured graph, back to back
+    graphs = list(backend.capture.graphs.values())
+    graph_ms = None
+    if graphs:
+        kept = graphs[-1]
+        kept.graph.launch(stream=stream)
+        stream.record(start)
+        for _ in range(s.reps):
+            kept.graph.launch(stream=stream)
+        stream.record(end)
+        end.sync()
+        graph_ms = end.elapsed_ms(start) / s.reps
+
+    # per op type: a graph of only that type's calls (in step order), replayed back to back
+    plan = backend._plan(backend.lens.size, 1)
+    calls = backend._bind(plan).calls
+    names = plan.call_names
+    assert len(names) == len(calls), (len(names), len(calls))
+    by_type: dict[str, list[Any]] = defaultdict(list)
+    for name, call in zip(names, calls, strict=True):
+        by_type[name.split(":")[0]].append(call)
+    ops: dict[str, dict[str, float]] = {}
+    for op, group in by_type.items():
+        with dev.capture(stream=stream) as cap:
+            for call in group:
+                call()
+        graph = cap.graph
+        graph.launch(stream=stream)
+        stream.record(start)
+        for _ in range(s.reps):
+            graph.launch(stream=stream)
+        stream.record(end)
+        end.sync()
+        total = end.elapsed_ms(start) / s.reps * 1e3
+        ops[op] = {"calls": len(group), "total_us": total, "per_call_us": total / len(group)}
+        graph.close()
+    ops = dict(sorted(ops.items(), key=lambda kv: -kv[1]["total_us"]))
+
+    # steps as the generator takes them
+    walls = []
+    for _ in range(s.reps):
+        t0 = time.perf_counter()
+        tokens = backend.step(tokens).argmax(-1)
+        walls.append((time.perf_counter() - t0) * 1e3)
+    loop_ms = None
+    if s.loop:
+        backend.steps(tokens.astype(np.int64), s.loop)  # warm: capture etc.
+        t0 = time.perf_counter()
+        out = backend.steps(out_last := tokens.astype(np.int64), s.loop)
+        loop_ms = (time.perf_counter() - t0) * 1e3 / s.loop
+        del out, out_last
+    return {
+        "batch": batch,
+        "graph_ms": graph_ms,
+        "sum_of_ops_ms": sum(v["total_us"] for v in ops.values()) / 1e3,
+        "calls": len(calls),
+        "step_wall_ms": statistics.median(walls),
+        "loop_ms_per_step": loop_ms,
+        "ops": ops,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--spec", default=QWEN_SPEC)
+    p.add_argument("--batch", default="1,16")
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--loop", type=int, default=32, help="steps per backend.steps call (0: skip)")
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--work", default="/tmp/genai-ep-bench")
+    p.add_argument("--out", default=None)
+    p.add_argument("--device", default="cuda", help="cpu: a smoke test with a small --spec")
+    s = p.parse_args(argv)
+
+    from ep.model import load_model
+    from ep.native import NativeBackend
+    from ep_builtin.capture_warmup import WarmupCapture
+    from ep_builtin.kv_seq_major import SeqMajorLayout
+
+    spec = model_spec(s.spec, s.context)
+    folder = build_or_reuse(spec, Path(s.work), seed=0, weights=None)
+    model = load_model(folder)
+    results = []
+    for batch in (int(b) for b in s.batch.split(",")):
+        backend = NativeBackend(
+            model,
+            SeqMajorLayout(fixed_stride=True),
+            device=s.device,
+            capture=WarmupCapture(steps=2),
+        )
+        r = profile_batch(backend, batch, s)
+        results.append(r)
+        loop = r["loop_ms_per_step"] or float("nan")
+        print(f"batch {batch}: graph {r['graph_ms']:.3f} ms/step ({r['calls']} calls; sum over "
+              f"op types {r['sum_of_ops_ms']:.3f} ms), step() "
+              f"{r['step_wall_ms']:.3f} ms, steps({s.loop}) {loop:.3f} ms/step")  # fmt: skip
+        for op, v in r["ops"].items():
+            print(f"  {op:14s} {v['calls']:4d} calls  {v['total_us']:9.1f} us  "
+                  f"{v['per_call_us']:7.2f} us a call")  # fmt: skip
+    if s.out:
+        out = Path(s.out)
+        out.mkdir(parents=True, exist_ok=True)
+        payload = {"tool": "profile_native", "machine": machine_info(), "spec": s.spec,
+                   "results": results}  # fmt: skip
+        (out / "profile_native.json").write_text(json.dumps(payload, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
