@@ -2,6 +2,7 @@
 # One command for the H200 machine: install, run the GPU tests, run the benchmarks.
 #
 #   bash tools/gpu_run.sh [OUT]        # OUT defaults to $OUT, else ./gpu-results
+#   LARGE=0 skips the 1.5B-shaped offload run; ALL=1 adds the whole test suite.
 #
 # The machine has no network: wheels the project needs beyond what is installed there
 # (onnxruntime-extensions) come from ./.whl (see docs/benchmarks/README.md for how to fetch them).
@@ -37,23 +38,37 @@ EOF
 echo "== kernels compile"
 python3 -m ep.cli kernels --json >"$out/kernels.json" || { echo "kernel compile failed"; exit 1; }
 
-echo "== GPU tests"
-python3 -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/pytest-cuda.xml" tests \
-    2>&1 | tee "$out/pytest-cuda.log" | tail -15
-cuda_rc=${PIPESTATUS[0]}
+# Each stage has a time limit (seconds; the device time of a session is short) and writes its
+# results under OUT as it goes, so a stage that runs out of time still leaves the others'.
+stage() {  # stage LIMIT NAME COMMAND...
+    local limit=$1 name=$2
+    shift 2
+    echo "== $name"
+    timeout "$limit" "$@" 2>&1 | tee "$out/$name.log" | tail -"${TAIL:-30}"
+    local rc=${PIPESTATUS[0]}
+    echo "$name rc=$rc" >>"$out/rc.txt"
+    return "$rc"
+}
 
-echo "== kernel benchmark"
-python3 tools/bench_kernels.py --out "$out" 2>&1 | tee "$out/bench_kernels.log" | tail -12
-bench_rc=${PIPESTATUS[0]}
+TAIL=15 stage 240 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
+    --junitxml="$out/pytest-cuda.xml" tests
+cuda_rc=$?
+TAIL=40 stage 90 profile python3 tools/profile_native.py --out "$out"
+TAIL=14 stage 150 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch
+bench_rc=$?
+TAIL=60 stage 300 bench-native python3 tools/bench_native.py --device cuda --batches 1 2 4 8 16 \
+    --steps 32 --offload scan_resistant --budget 100%,75%,50%,25% --out "$out"
+native_rc=$?
+if [ "${LARGE:-1}" = 1 ]; then  # the 1.5B shape: does not fit a small budget
+    mkdir -p "$out/large"
+    TAIL=30 stage 200 bench-native-large python3 tools/bench_native.py --device cuda \
+        --spec qwen2.5-1.5b --batches 1 8 --steps 16 --repeats 2 --no-hf --offload scan_resistant \
+        --budget 100%,50%,25% --out "$out/large"
+fi
+if [ "${ALL:-0}" = 1 ]; then
+    TAIL=5 stage 400 pytest-all python3 -m pytest -q -p no:cacheprovider tests
+fi
 
-echo "== native executor benchmark"
-python3 tools/bench_native.py --device cuda --offload scan_resistant --budget 75% --out "$out" 2>&1 | tee "$out/bench_native.log" | tail -30
-native_rc=${PIPESTATUS[0]}
-
-echo "== whole suite on the GPU machine"
-python3 -m pytest -q -p no:cacheprovider tests 2>&1 | tee "$out/pytest-all.log" | tail -5
-all_rc=${PIPESTATUS[0]}
-
-echo "== summary: cuda tests rc=$cuda_rc, all tests rc=$all_rc, kernel benchmark rc=$bench_rc," \
-     "native benchmark rc=$native_rc"
-[ "$cuda_rc" = 0 ] && [ "$all_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$native_rc" = 0 ]
+echo "== summary: cuda tests rc=$cuda_rc, kernel benchmark rc=$bench_rc, native benchmark" \
+     "rc=$native_rc (every stage: $out/rc.txt)"
+[ "$cuda_rc" = 0 ] && [ "$bench_rc" = 0 ] && [ "$native_rc" = 0 ]
