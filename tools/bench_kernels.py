@@ -520,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         n
         for n in KERNELS.names()
         if (n.startswith(("ep_gemv_", "ep_gemm_")) and any(fam in n for fam in families))
-        or (n.startswith("kv_attention") and not args.no_attention)
+        or (n.startswith(("kv_attention", "kv_decode")) and not args.no_attention)
     ]
     for name in needed:  # before any capture
         dev.kernel(name).load()

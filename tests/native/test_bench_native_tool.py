@@ -52,7 +52,7 @@ def test_cpu_mode_times_every_mode_with_equal_tokens(
 
 def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: Path) -> None:
     argv = ["--device", "cuda", "--run-on", "cpu", "--spec", SMALL_QWEN, "--batches", "1", "16"]
-    argv += ["--prompt", "8", "--warmup", "3", "--steps", "2", "--repeats", "1"]
+    argv += ["--prompt", "8", "--warmup", "3", "--steps", "5", "--repeats", "1", "--loop", "2"]
     assert tool.main([*argv, "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
     data = json.loads((tmp_path / "bench_native.json").read_text())
     assert data["errors"] == [] and data["tokens_match"] is True
@@ -61,10 +61,14 @@ def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: 
         p.stat().st_size for p in (tmp_path / "work").glob("*/model.onnx.data")
     )
     assert "skipped" in data["hf"]  # the transformers reference needs CUDA
-    assert [(r["mode"], r["batch"]) for r in data["rows"]] == [
-        ("native-capture", 1), ("native-eager", 1), ("native-capture", 16), ("native-eager", 16),
-    ]  # fmt: skip
-    assert set(data["targets"]) >= {"batch1_ms", "tokens_per_s_16_over_1"}
+    modes = ("native-capture", "native-loop", "native-eager")
+    assert [(r["mode"], r["batch"]) for r in data["rows"]] == [(m, b) for b in (1, 16) for m in modes]
+    # the device token loop (steps of 2, 2 and 1) gives the same tokens as step() (tokens_match)
+    loop = next(r for r in data["rows"] if r["mode"] == "native-loop")
+    assert loop["samples"] == 5 and loop["capture"]["captures"] > 0
+    assert set(data["targets"]) >= {
+        "batch1_ms", "tokens_per_s_16_over_1", "batch1_ms_loop", "tokens_per_s_16_over_1_loop",
+    }  # fmt: skip
 
 
 def test_a_failing_part_is_recorded_and_fails_the_run(tool: ModuleType, tmp_path: Path) -> None:
