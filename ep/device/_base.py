@@ -13,9 +13,10 @@ replaced buffer makes it stale, which `Graph.check` reports the same way on both
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -1013,6 +1014,16 @@ class Device:
                     f"copy {src.name!r} -> {dst.name!r}: the byte ranges overlap in one "
                     "allocation, which CUDA copies leave undefined; copy through a scratch buffer"
                 )
+        self._counted_copy(
+            dst, src, nbytes, stream,
+            functools.partial(self._copy, dst, dst_offset, src, src_offset, nbytes, stream),
+        )  # fmt: skip
+
+    def _counted_copy(
+        self, dst: Buffer, src: Buffer, nbytes: int, stream: Stream, run: Callable[[], None]
+    ) -> None:
+        """Run a checked copy of ``nbytes`` and count it by direction: in the device's ledger,
+        or, inside a capture, in the recording (whose replays the ledger counts)."""
         direction = {
             ("host", "device"): "htod_bytes",
             ("device", "host"): "dtoh_bytes",
@@ -1024,9 +1035,9 @@ class Device:
             recording.bind(dst)
             recording.bind(src)
             recording.copied[direction] += nbytes
-            self._copy(dst, dst_offset, src, src_offset, nbytes, stream)
+            run()
             return
-        self._copy(dst, dst_offset, src, src_offset, nbytes, stream)
+        run()
         self._ledger.add(direction, nbytes)
 
     def copy_2d(
@@ -1094,23 +1105,12 @@ class Device:
                     f"copy_2d {src.name!r} -> {dst.name!r}: the byte spans overlap in one "
                     "allocation, which CUDA copies leave undefined; copy through a scratch buffer"
                 )
-        direction = {
-            ("host", "device"): "htod_bytes",
-            ("device", "host"): "dtoh_bytes",
-            ("device", "device"): "dtod_bytes",
-            ("host", "host"): "htoh_bytes",
-        }[(src.location, dst.location)]
-        nbytes = int(width) * int(height)
         args = (int(width), int(height), int(dst_pitch), int(src_pitch))
-        recording = stream._recording
-        if recording is not None:
-            recording.bind(dst)
-            recording.bind(src)
-            recording.copied[direction] += nbytes
-            self._copy_2d(dst, int(dst_offset), src, int(src_offset), *args, stream)
-            return
-        self._copy_2d(dst, int(dst_offset), src, int(src_offset), *args, stream)
-        self._ledger.add(direction, nbytes)
+        self._counted_copy(
+            dst, src, int(width) * int(height), stream,
+            functools.partial(self._copy_2d, dst, int(dst_offset), src, int(src_offset), *args,
+                              stream),
+        )  # fmt: skip
 
     def _host_transfer_checks(self, buffer: Buffer, stream: Stream, what: str) -> None:
         self._check_stream(stream)

@@ -98,6 +98,15 @@ _MAX_HEAD_DIM = 256
 _ADDRESSING = r"""
 #define NEG_INF (__int_as_float(0xff800000u))
 
+// The parameters of both attention kernels (kv_attention and kv_decode share one CPU twin).
+#define ATTENTION_PARAMS                                                                        \
+    T *out, float *ws, const T *query, const void *__restrict__ positions, int pos_i64,         \
+        const i64 *__restrict__ lengths, const T *kcache, const T *vcache,                      \
+        const void *__restrict__ block_table, i64 table_cols, i64 batch, i64 seq, int heads,    \
+        int kv_heads, int dim, i64 q_tok, i64 s_batch, i64 s_token, i64 s_head, i64 s_dim,      \
+        i64 s_page, i64 page_size, i64 capacity, i64 cache_elems, float scale, int q_tile,      \
+        int kv_tile, int lanes, int splits, i64 chunk, int vec, u32 *status
+
 // Context tokens per split for a live context of ``live`` tokens: an equal share, rounded up to
 // ``unit`` (a loop step of the kernel).
 static __device__ __forceinline__ i64 split_share(i64 live, int splits, int unit) {
@@ -365,13 +374,7 @@ static __device__ __forceinline__ void pv_rows(float* acc, const float* pcol, in
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) KERNEL(
-    T* out, float* ws, const T* query, const void* __restrict__ positions, int pos_i64,
-    const i64* __restrict__ lengths, const T* kcache, const T* vcache,
-    const void* __restrict__ block_table, i64 table_cols, i64 batch, i64 seq, int heads,
-    int kv_heads, int dim, i64 q_tok, i64 s_batch, i64 s_token, i64 s_head, i64 s_dim,
-    i64 s_page, i64 page_size, i64 capacity, i64 cache_elems, float scale, int q_tile,
-    int kv_tile, int lanes, int splits, i64 chunk, int vec, u32* status) {
+extern "C" __global__ void __launch_bounds__(256, 2) KERNEL(ATTENTION_PARAMS) {
     extern __shared__ __align__(16) unsigned char smem[];
     const int G = heads / kv_heads;
     const int R = q_tile * G;
@@ -656,16 +659,10 @@ _DECODE_BODY = (
 // Decode (one query token per row): grid (batch, kv_heads, splits), 128 threads = 4 warps. A
 // token's K or V row is read as 16-byte pieces by L = dim / N lanes (N elements a piece), so a
 // warp takes 32 / L tokens at a time; each lane group runs its own online softmax over every
-// G-th token of the chunk for all G query heads of the KV head, with the next token's K and V
-// loads issued before this one's arithmetic. Groups merge by shuffles, warps through shared
+// (4 * 32 / L)-th token of the split's share for all G query heads of the KV head, with the next
+// token's K and V loads issued before this one's arithmetic. Groups merge by shuffles, warps through shared
 // memory. Same parameters and workspace format as the tiled kernel (q_tile/kv_tile/lanes unused).
-extern "C" __global__ void __launch_bounds__(128) KERNEL(
-    T* out, float* ws, const T* query, const void* __restrict__ positions, int pos_i64,
-    const i64* __restrict__ lengths, const T* kcache, const T* vcache,
-    const void* __restrict__ block_table, i64 table_cols, i64 batch, i64 seq, int heads,
-    int kv_heads, int dim, i64 q_tok, i64 s_batch, i64 s_token, i64 s_head, i64 s_dim,
-    i64 s_page, i64 page_size, i64 capacity, i64 cache_elems, float scale, int q_tile,
-    int kv_tile, int lanes, int splits, i64 chunk, int vec, u32* status) {
+extern "C" __global__ void __launch_bounds__(128) KERNEL(ATTENTION_PARAMS) {
     constexpr int N = Pack<T>::N;
     __shared__ float sm_m[WARPS][MAX_G], sm_l[WARPS][MAX_G];
     __shared__ __align__(16) float sm_acc[WARPS][MAX_G][256];
