@@ -62,7 +62,9 @@ def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: 
     )
     assert "skipped" in data["hf"]  # the transformers reference needs CUDA
     modes = ("native-capture", "native-loop", "native-eager")
-    assert [(r["mode"], r["batch"]) for r in data["rows"]] == [(m, b) for b in (1, 16) for m in modes]
+    assert [(r["mode"], r["batch"]) for r in data["rows"]] == [
+        (m, b) for b in (1, 16) for m in modes
+    ]
     # the device token loop (steps of 2, 2 and 1) gives the same tokens as step() (tokens_match)
     loop = next(r for r in data["rows"] if r["mode"] == "native-loop")
     assert loop["samples"] == 5 and loop["capture"]["captures"] > 0

@@ -9,25 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ep.model import DecoderModel, load_model
+from ep.model import DecoderModel
 from ep.native import NativeBackend
 from ep.ort import OrtBackend
 from ep_builtin.capture_warmup import WarmupCapture
 from ep_builtin.kv_head_major import HeadMajorLayout
 from ep_builtin.kv_paged import PagedLayout
 from ep_builtin.kv_seq_major import SeqMajorLayout
-from ep_graphs import build_model, load_hf_checkpoint
 
 DATA = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
 PROMPTS = json.loads((DATA / "expected_tokens.json").read_text())["prompts"]
-
-
-@pytest.fixture(scope="module")
-def tiny_ep(tmp_path_factory: pytest.TempPathFactory) -> DecoderModel:
-    spec, weights = load_hf_checkpoint(DATA / "hf")
-    out = tmp_path_factory.mktemp("tiny_ep")
-    build_model(spec, weights, flavour="ep", out_dir=out)
-    return load_model(out)
 
 
 def _greedy(backend, prompts: Sequence[Sequence[int]], steps: int, reserve: int = 0) -> np.ndarray:

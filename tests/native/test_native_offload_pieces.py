@@ -34,14 +34,6 @@ POLICIES = {"stream": StreamPolicy, "scan_resistant": ScanResistantPolicy, "lru"
 
 
 @pytest.fixture(scope="module")
-def tiny_ep(tmp_path_factory: pytest.TempPathFactory) -> DecoderModel:
-    spec, weights = load_hf_checkpoint(DATA / "hf")
-    out = tmp_path_factory.mktemp("tiny_ep_pieces")
-    build_model(spec, weights, flavour="ep", out_dir=out)
-    return load_model(out)
-
-
-@pytest.fixture(scope="module")
 def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> DecoderModel:
     spec, weights = load_hf_checkpoint(DATA / "hf")
     out = tmp_path_factory.mktemp("tiny_q4_pieces")
