@@ -250,7 +250,11 @@ def test_cuda_headers_compile_bf16_and_fp16(tmp_path) -> None:
 
 
 def test_sm90_kernels_open_with_the_pdl_prologue() -> None:
-    from ep.device._kernels import PDL_PROLOGUE, compiled_source, with_pdl_prologue
+    from ep.device._kernels import PDL_PROLOGUE, compiled_source, pdl_arch, with_pdl_prologue
+
+    assert [pdl_arch(a) for a in ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100f")] == [
+        False, False, True, True, True,
+    ]  # fmt: skip
 
     text = compiled_source(SCALE, "sm_90")
     body = text.split("{", 1)[1]

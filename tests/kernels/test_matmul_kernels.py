@@ -835,3 +835,17 @@ def test_stream_vocabulary_projection_on_the_gpu(
     assert np.isfinite(got.astype(np.float32)).all()
     for r in (slice(0, 2048), slice(N - 2048, N)):
         assert rel_error(got[:, r], ref(r)) < 1e-2
+
+
+def test_layer_sized_dense_gemvs_split_k_over_every_warp(cpu_device: Device) -> None:
+    # Timed on the H200 over every (kw, gy): all 8 warps on K, blocks only past 4 steps a warp.
+    ws = matmul.matmul_workspace(cpu_device, stream=cpu_device.default_stream)
+    cases = {(896, 1152): (8, 1), (896, 896): (8, 1), (896, 9728): (8, 1), (4864, 896): (8, 4)}
+    for (K, N), (kw, gy) in cases.items():
+        plan = plan_matmul("nk", BF16, M=1, N=N, K=K, workspace=ws, sm_count=132)
+        assert (plan.kw, plan.gy) == (kw, gy), (K, N, plan.reason)
+    head = plan_matmul("nk", BF16, M=1, N=151936, K=896, workspace=ws, sm_count=132)
+    assert (head.kw, head.gy) == (1, 1)  # past a few waves: the one-wave rule, unchanged
+    # 4-bit weights keep the one-wave rule (38 steps over 8 warps x 4 blocks, not 8 x 1)
+    q4 = plan_matmul("q4", BF16, M=1, N=1152, K=4864, workspace=ws, sm_count=132)
+    assert (q4.kw, q4.gy) == (8, 4)
