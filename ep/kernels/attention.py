@@ -659,9 +659,10 @@ _DECODE_BODY = (
 // Decode (one query token per row): grid (batch, kv_heads, splits), 128 threads = 4 warps. A
 // token's K or V row is read as 16-byte pieces by L = dim / N lanes (N elements a piece), so a
 // warp takes 32 / L tokens at a time; each lane group runs its own online softmax over every
-// (4 * 32 / L)-th token of the split's share for all G query heads of the KV head, with the next
-// token's K and V loads issued before this one's arithmetic. Groups merge by shuffles, warps through shared
-// memory. Same parameters and workspace format as the tiled kernel (q_tile/kv_tile/lanes unused).
+// (4 * 32 / L)-th token of the split's share for all G query heads of the KV head, with the
+// next token's K and V loads issued before this one's arithmetic. Groups merge by shuffles, warps
+// through shared memory. Same parameters and workspace format as the tiled kernel (q_tile,
+// kv_tile and lanes unused).
 extern "C" __global__ void __launch_bounds__(128) KERNEL(ATTENTION_PARAMS) {
     constexpr int N = Pack<T>::N;
     __shared__ float sm_m[WARPS][MAX_G], sm_l[WARPS][MAX_G];
