@@ -967,7 +967,7 @@ class AttentionPlan:
     kv_tile: int  # context tokens per shared-memory tile
     lanes: int  # threads per query·key dot product
     splits: int  # context chunks (grid z); 1: no reduce kernel, no workspace
-    chunk: int  # context tokens per split (a multiple of kv_tile)
+    chunk: int  # capacity per split (a multiple of kv_tile); the kernels share the live context
     shared_bytes: int
     workspace_elems: int  # float32 elements the workspace needs (0 with one split)
     grid: tuple[int, int, int]
@@ -1049,8 +1049,9 @@ def attention_plan(
         splits = -(-context // chunk)
         if splits > 1:
             reason = (
-                f"{splits} split(s) of {chunk} tokens: {base_blocks} blocks alone would leave "
-                f"the GPU idle (target {target_blocks}; at least {min_chunk} tokens a split)"
+                f"{splits} split(s) sharing out the live context (up to {chunk} slots each): "
+                f"{base_blocks} blocks alone would leave the GPU idle (target {target_blocks}; "
+                f"at least {min_chunk} slots of capacity a split)"
             )
         else:
             reason += f"a context of {context} tokens is one chunk (< 2 x {min_chunk})"
