@@ -356,28 +356,48 @@ class Stream:
         self.device._stream_sync(self)
 
     def record(self, event: Event | None = None) -> Event:
-        """Mark this point of the stream with ``event`` (a new one if None) and return it."""
-        self._no_capture("record an event")
+        """Mark this point of the stream with ``event`` (a new one if None) and return it.
+
+        Inside a capture the event marks a point of the graph: another stream that waits on it
+        joins the capture (a fork), and the capturing stream waiting on an event recorded on a
+        forked stream joins that branch back (CUDA's cross-stream capture).
+        """
         event = event if event is not None else self.device.create_event()
         if event.device is not self.device:
             raise DeviceError(f"event from {event.device.name} recorded on {self.device.name}")
         self.device._event_record(event, self)
         event._recorded = True
+        recording = self._recording
+        event._capture = recording
+        event._mark = (self, recording.work.get(self, 0)) if recording is not None else None
         return event
 
     def wait(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``."""
-        self._no_capture("wait on an event")
         if not event._recorded:
             raise DeviceError("waiting on an event that was never recorded: record it first")
-        self.device._stream_wait(self, event)
-
-    def _no_capture(self, what: str) -> None:
-        if self._recording is not None:
+        recording, captured = self._recording, event._capture
+        if captured is not None and captured.closed:
             raise DeviceError(
-                f"cannot {what} on stream {self.name!r} while it is capturing a graph: this "
-                "device layer captures one stream without events"
+                "waiting on an event recorded inside a capture that has ended: it marks a point "
+                "of that graph, not of any stream now; record a new event"
             )
+        if recording is not None and captured is not recording:
+            raise DeviceError(
+                f"stream {self.name!r} is capturing and waits on an event recorded outside its "
+                "capture, which CUDA refuses (capture isolation): record the event inside the "
+                "capture, or wait before it begins"
+            )
+        if recording is None and captured is not None:  # a fork: this stream joins the capture
+            if self in captured.streams:
+                raise DeviceError(f"stream {self.name!r} was already forked into this capture")
+            captured.streams.append(self)
+            self._recording = captured
+        self.device._stream_wait(self, event)
+        if recording is not None and event._mark is not None:
+            source, work = event._mark
+            if source is not recording.stream and recording.work.get(source, 0) == work:
+                recording.joined.add(source)  # everything queued on that branch is waited for
 
 
 class Event:
@@ -388,6 +408,8 @@ class Event:
         self._native = native
         self.timing = timing
         self._recorded = False
+        self._capture: _Recording | None = None  # recorded inside this capture
+        self._mark: tuple[Stream, int] | None = None  # (stream, its work count) when recorded
 
     def sync(self) -> None:
         """Wait until the work before this event has finished."""
@@ -509,6 +531,7 @@ class Kernel:
                 if isinstance(arg, _Pointer):
                     recording.bind(arg.buffer)
             recording.launches += 1
+            recording.queued(stream)
             device._launch(self, grid3, block3, converted, shared_mem, stream)
             return
         self.load()
@@ -562,10 +585,19 @@ class Kernel:
 
 
 class _Recording:
-    """What a capture has seen so far on one stream."""
+    """What a capture has seen so far: on its stream and on the streams forked into it.
+
+    A stream joins by waiting on an event recorded inside the capture (``streams`` lists them
+    after the capturing one); ``work`` counts what each stream queued, and a forked stream is
+    ``joined`` once the capturing stream waited on an event recorded after its last work.
+    """
 
     def __init__(self, stream: Stream) -> None:
         self.stream = stream
+        self.streams: list[Stream] = [stream]
+        self.work: dict[Stream, int] = {}
+        self.joined: set[Stream] = set()
+        self.closed = False
         self.native: Any = None  # CUDA: the graph builder; CPU: the list of calls
         self.bound: dict[int, Buffer] = {}
         self.launches = 0
@@ -579,6 +611,20 @@ class _Recording:
     def bind(self, buffer: Buffer) -> None:
         root = buffer.root
         self.bound.setdefault(id(root), root)
+
+    def queued(self, stream: Stream) -> None:
+        """``stream`` queued one more piece of work into this capture."""
+        self.work[stream] = self.work.get(stream, 0) + 1
+        self.joined.discard(stream)
+
+    def unjoined(self) -> list[str]:
+        return [s.name for s in self.streams[1:] if self.work.get(s, 0) and s not in self.joined]
+
+    def close(self) -> None:
+        """The capture ended: every forked stream leaves it."""
+        self.closed = True
+        for stream in self.streams:
+            stream._recording = None
 
 
 def binding_signature(buffers: Iterable[Buffer]) -> BindingSignature:
@@ -726,7 +772,7 @@ class Capture:
         device, stream = self.device, self.stream
         recording = stream._recording
         assert recording is not None
-        stream._recording = None
+        recording.close()
         device._open_captures -= 1
         try:
             if exc_type is not None:
@@ -735,6 +781,13 @@ class Capture:
             bound = tuple(recording.bound.values())
             try:
                 binding_signature(bound)
+                unjoined = recording.unjoined()
+                if unjoined:
+                    raise DeviceError(
+                        f"stream(s) {', '.join(unjoined)} were forked into the capture on "
+                        f"{stream.name!r} and not joined: record an event on each after its last "
+                        f"work and make {stream.name!r} wait on it before the capture ends"
+                    )
             except DeviceError:
                 device._abort_capture(stream, recording)
                 raise
@@ -1035,6 +1088,7 @@ class Device:
             recording.bind(dst)
             recording.bind(src)
             recording.copied[direction] += nbytes
+            recording.queued(stream)
             run()
             return
         run()

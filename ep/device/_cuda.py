@@ -344,7 +344,13 @@ class CUDADevice(Device):
                 config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
             self._launch_configs[(grid, block, shared_mem)] = config
         recording = stream._recording
-        target = recording.native if recording is not None else stream._native
+        # the capturing stream launches through its graph builder; a stream forked into the
+        # capture, on its own handle (the driver records its work into the same graph)
+        target = (
+            recording.native
+            if recording is not None and stream is recording.stream
+            else stream._native
+        )
         with _call(f"launching kernel {kernel.source.signature} grid={grid} block={block}"):
             launch(target, config, native, *values)
 

@@ -30,6 +30,7 @@ and captures and replays are reported to the store (`CaptureManager`). `offload_
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -263,6 +264,10 @@ class NativeBackend:
         fixed = None
         if self.offloaded is not None:
             fixed = self.offloaded.fixed_reads(plan.bound_weights)
+            # first and last work of the step, so a capture holds the store's copies too
+            start = functools.partial(self.offloaded.start, stream=self.stream)
+            finish = functools.partial(self.offloaded.finish, stream=self.stream)
+            calls = [start, *calls, finish]
         buffers = [plan.arena, plan.input_ids, plan.positions, plan.logits, *binding.keys]
         buffers += list(binding.values)
         if binding.block_table is not None:

@@ -129,6 +129,14 @@ class OffloadedWeights:
     def begin_step(self) -> None:
         self.store.begin_step()
 
+    def start(self, *, stream: Stream) -> None:
+        """The step's first call (captured with it): predicted streamed copies start."""
+        self.store.start(stream)
+
+    def finish(self, *, stream: Stream) -> None:
+        """The step's last call (captured with it): every copy is waited for."""
+        self.store.finish(stream)
+
     def end_step(self, tokens: int) -> None:
         self.store.end_step(tokens)
 

@@ -233,7 +233,6 @@ class WeightStore:
             _Slot(i, layout.slots_offset + i * layout.slot_bytes) for i in range(layout.slots)
         ]
         self._slot_views: dict[tuple[int, str], Buffer] = {}
-        self._next_slot = 0
         needs_copies = bool(layout.slots or layout.cache_bytes)
         self.copy_stream: Stream | None = (
             dev.create_stream(name="offload-copy") if needs_copies else None
@@ -245,6 +244,15 @@ class WeightStore:
         self._pending_bytes = 0
         # (name, slot index or -1) of recent gets: the last `slots - 1` stay valid.
         self._held: deque[tuple[str, int]] = deque()
+        # Prefetch of streamed weights: the streamed gets of the last eager step, in order, are
+        # this step's prediction. Streamed get m of a step uses slot m % slots; the copy for
+        # prediction i is issued as soon as its slot is free (see `_prefetch`).
+        self._sequence: tuple[str, ...] = ()
+        self._learning: list[str] | None = None
+        self._gets = 0  # streamed gets so far in this step
+        self._issued = 0  # predictions copied ahead so far in this step
+        self._predicting = False
+        self._unjoined: Event | None = None  # the last copy the compute stream has not waited on
         self._trace: _Trace | None = None
 
         self._htod = self._page_ins = self._hits = self._misses = self._evictions = 0
@@ -297,7 +305,7 @@ class WeightStore:
             return self._resident[name]
         if where == "stream":
             buffer = self._stream_in(name, stream)
-            self._count(info, copied=True)
+            self._count(info, copied=True, nbytes=0)  # its bytes count when copied
             return buffer
         return self._cache_get(info, stream)
 
@@ -336,8 +344,28 @@ class WeightStore:
             boundary = self._compute.record()
             for slot in self._slots:
                 slot.release = boundary
-        self._next_slot = 0
         self._reclaim(0)
+        self._gets = self._issued = 0
+        self._predicting = False
+
+    def start(self, stream: Stream) -> None:
+        """The first work of a step on ``stream`` (inside its capture when it is captured):
+        copies of the first predicted streamed weights start now, beside whatever the step
+        computes before it reads them."""
+        self._check_open("start")
+        self._gets = self._issued = 0
+        self._learning = None if stream.capturing else []
+        self._predicting = bool(self._sequence) and self.copy_stream not in (None, stream)
+        if self._predicting:
+            self._prefetch()
+
+    def finish(self, stream: Stream) -> None:
+        """The last work of a step on ``stream``: it waits for every copy still unwaited (a
+        prediction the step did not use), which also joins the copy stream into a capture."""
+        self._check_open("finish")
+        if self._unjoined is not None and self.copy_stream is not None:
+            stream.wait(self.copy_stream.record())
+            self._unjoined = None
 
     def end_step(self, tokens: int) -> None:
         """End a decode step that produced ``tokens`` tokens (the batch size, for decode)."""
@@ -346,6 +374,9 @@ class WeightStore:
             raise OffloadError(f"end_step(tokens={tokens!r}): expected a count of 0 or more")
         self._tokens += tokens
         self._release_old(self._compute, keep=0)
+        if self._learning is not None and tuple(self._learning) != self._sequence:
+            self._sequence = tuple(self._learning)  # the next steps predict this order
+        self._learning = None
 
     def begin_capture(self) -> None:
         """Before capturing a step: refuses a plan whose addresses change (with its reason)."""
@@ -439,14 +470,16 @@ class WeightStore:
             )
         return info
 
-    def _count(self, info: WeightInfo, *, copied: bool) -> None:
+    def _count(self, info: WeightInfo, *, copied: bool, nbytes: int | None = None) -> None:
+        """One access; a copied one adds ``nbytes`` (default: the weight's) to htod_bytes."""
+        copied_bytes = info.nbytes if nbytes is None else nbytes
         trace = self._trace
         if trace is not None:  # captured: counted per replay, as the device counts the copies
             trace.accesses.append(info.name)
             trace.requested_bytes += info.nbytes
             if copied:
                 trace.misses += 1
-                trace.htod_bytes += info.nbytes
+                trace.htod_bytes += copied_bytes
             else:
                 trace.hits += 1
                 trace.hit_bytes += info.nbytes
@@ -455,10 +488,19 @@ class WeightStore:
         if copied:
             self._misses += 1
             self._page_ins += 1
-            self._htod += info.nbytes
+            self._htod += copied_bytes
         else:
             self._hits += 1
             self._hit_bytes += info.nbytes
+
+    def _count_copy(self, name: str) -> None:
+        """The bytes of one copy of a streamed weight (a prediction the step did not use
+        included: they crossed the bus all the same)."""
+        nbytes = self._infos[name].nbytes
+        if self._trace is not None:
+            self._trace.htod_bytes += nbytes
+        else:
+            self._htod += nbytes
 
     def _release_old(self, stream: Stream, *, keep: int) -> None:
         """Release all but the last ``keep`` gets: their reads are enqueued on ``stream`` by now."""
@@ -484,12 +526,54 @@ class WeightStore:
         return view
 
     def _stream_in(self, name: str, stream: Stream) -> Buffer:
-        slot = self._slots[self._next_slot]
-        self._next_slot = (self._next_slot + 1) % len(self._slots)
-        view = self._slot_view(slot, name)
-        self._copy_in(view, name, stream, release=slot.release)
+        """Streamed get m of the step: slot m % slots, filled by a predicted copy already on its
+        way, else by a copy issued now."""
+        m = self._gets
+        self._gets += 1
+        slot = self._slots[m % len(self._slots)]
+        if self._learning is not None:
+            self._learning.append(name)
+        copy = self.copy_stream
+        if copy is None or copy is stream:  # one stream: copy in order, nothing to overlap
+            view = self._slot_view(slot, name)
+            self._copy_from_pinned(view, name, stream)
+            self._count_copy(name)
+        else:
+            if not (self._predicting and m < self._issued and self._sequence[m] == name):
+                self._predicting = False  # a wrong prediction: copy each weight at its turn
+                self._issue(name, slot)
+            view = self._slot_view(slot, name)
+            assert slot.ready is not None
+            stream.wait(slot.ready)
+            if slot.ready is self._unjoined:
+                self._unjoined = None
         self._held.append((name, slot.index))
+        if self._predicting:
+            self._prefetch()
         return view
+
+    def _prefetch(self) -> None:
+        """Issue the predicted copies whose slots are free: prediction i reuses the slot of
+        i - slots, whose buffer the caller gave up at get i - 1 (the last ``slots - 1`` gets
+        stay valid), so i may go once i < slots or i <= gets so far."""
+        slots = len(self._slots)
+        while self._issued < len(self._sequence) and (
+            self._issued < slots or self._issued <= self._gets
+        ):
+            i = self._issued
+            self._issue(self._sequence[i], self._slots[i % slots])
+            self._issued += 1
+
+    def _issue(self, name: str, slot: _Slot) -> None:
+        """Copy ``name`` into ``slot`` on the copy stream after everything the compute stream
+        has queued so far (so after every read of the slot's last weight); ``slot.ready``
+        marks its end. Inside a capture the copy stream joins it here (a fork)."""
+        copy = self.copy_stream
+        assert copy is not None
+        copy.wait(self._compute.record())
+        self._copy_from_pinned(self._slot_view(slot, name), name, copy)
+        slot.ready = self._unjoined = copy.record()
+        self._count_copy(name)
 
     def _copy_from_pinned(self, dst: Buffer, name: str, stream: Stream) -> None:
         # From the pinned root with an offset: a view of it would not count as host memory.

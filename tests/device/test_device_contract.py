@@ -385,11 +385,12 @@ def test_growth_of_a_bound_buffer_keeps_address(device: Device) -> None:
 def test_capture_forbids_allocation_sync_and_pageable_copies(device: Device) -> None:
     s = device.default_stream
     buf = device.alloc(16, np.float32, stream=s)
+    outside = s.record()
     for forbidden, pattern in (
         (lambda: device.alloc(4, np.float32, stream=s), "allocate"),
         (lambda: s.sync(), "synchronise"),
         (lambda: buf.copy_from_host(np.zeros(16, np.float32), stream=s), "pageable"),
-        (lambda: s.record(), "event"),
+        (lambda: s.wait(outside), "isolation"),
     ):
         with pytest.raises(DeviceError, match=pattern), device.capture(stream=s):
             device.fill(buf, 1.0, stream=s)
@@ -450,3 +451,43 @@ def test_duplicate_names_in_one_graph_are_refused(device: Device) -> None:
     with pytest.raises(DeviceError, match="distinct names"), device.capture(stream=s):
         device.copy(a, b, stream=s)
     assert not s.capturing
+
+
+def test_a_stream_forked_into_a_capture_replays_its_work_in_order(device: Device) -> None:
+    """Fork (a stream waits on an event recorded in the capture) and join (the capturing stream
+    waits on an event recorded on the fork): the graph holds both streams' work, in order."""
+    s, c = device.default_stream, device.create_stream(name="side")
+    a, b, d = (device.alloc(64, np.float32, stream=s, name=n) for n in ("a", "b", "d"))
+    before = device.counters()
+    with device.capture(stream=s) as cap:
+        device.fill(b, -1.0, stream=s)
+        c.wait(s.record())  # fork: c joins the capture
+        assert c.capturing
+        device.copy(b, a, stream=c)
+        s.wait(c.record())  # join
+        device.copy(d, b, stream=s)
+    assert not c.capturing and not s.capturing
+    for value in (3.0, 7.0):
+        device.fill(a, value, stream=s)
+        cap.graph.launch(stream=s)
+        assert np.all(d.to_host(stream=s) == value)
+    # the fork's copy counts once a replay, like the capturing stream's
+    assert device.counters().dtod_bytes - before.dtod_bytes == 2 * 2 * a.nbytes
+    device.copy(b, d, stream=c)  # the side stream works eagerly again
+    c.sync()
+
+
+def test_an_unjoined_fork_fails_the_capture_and_leaves_no_stream_capturing(device: Device) -> None:
+    s, c = device.default_stream, device.create_stream(name="side")
+    a, b = (device.alloc(16, np.float32, stream=s, name=n) for n in ("a", "b"))
+    with pytest.raises(DeviceError, match="not joined"), device.capture(stream=s):
+        c.wait(s.record())
+        device.copy(b, a, stream=c)
+        joined = c.record()
+        s.wait(joined)
+        device.copy(a, b, stream=c)  # more work on the fork after the join: not waited for
+    assert not s.capturing and not c.capturing
+    with pytest.raises(DeviceError, match="has ended"):
+        s.wait(joined)  # an event of a finished capture marks no stream
+    device.copy(b, a, stream=c)
+    c.sync()

@@ -338,3 +338,98 @@ def test_cuda_store_serves_exact_bytes_and_balances(
     run_steps(store, cuda_dev, weights, order, steps=3, stream=stream)
     check_ledger(store, cuda_dev, htod0, alloc0)
     store.close()
+
+
+def _step(
+    store: WeightStore, dev: Device, weights: Mapping[str, np.ndarray], order: Sequence[str]
+) -> int:
+    """One eager step as the executor runs it (start and finish are its first and last calls);
+    the copies issued by ``start``, before any get."""
+    stream = dev.default_stream
+    store.begin_step()
+    store.start(stream)
+    ahead = store._issued
+    for name in order:
+        assert _same_bytes(store.get(name, stream=stream), weights[name], dev), name
+    store.finish(stream)
+    store.end_step(1)
+    return ahead
+
+
+def test_streamed_weights_are_copied_ahead_in_the_order_last_used(
+    cpu: Device, weights: Mapping[str, np.ndarray], infos: tuple[WeightInfo, ...]
+) -> None:
+    order = decoder_use_order(list(weights))
+    htod0 = cpu.counters().htod_bytes
+    store = WeightStore(cpu, weights, infos, StreamPolicy(), 10**7, stream=cpu.default_stream)
+    total = sum(weights[n].nbytes for n in order)
+    assert _step(store, cpu, weights, order) == 0  # nothing to predict yet: it learns the order
+    assert store._sequence == tuple(order)
+    assert _step(store, cpu, weights, order) == 2  # both slots filled before the first get
+    assert store.counters().htod_bytes == 2 * total
+    # Another order: the first get finds a wrong prediction; every get still gets its bytes,
+    # the two copies made in vain are counted (they crossed the bus), and the new order is next.
+    wasted = weights[order[0]].nbytes + weights[order[1]].nbytes
+    backwards = order[::-1]
+    _step(store, cpu, weights, backwards)
+    assert store.counters().htod_bytes == 3 * total + wasted
+    assert store._sequence == tuple(backwards)
+    assert _step(store, cpu, weights, backwards) == 2
+    c = store.counters()
+    assert cpu.counters().htod_bytes - htod0 == store.loaded_bytes + c.htod_bytes
+    assert c.misses == 4 * len(order)
+    store.close()
+
+
+def test_a_captured_step_holds_the_copy_stream_and_replays_exactly(
+    cpu: Device, weights: Mapping[str, np.ndarray], infos: tuple[WeightInfo, ...]
+) -> None:
+    """Predicted copies inside a capture: the copy stream forks into it and joins back."""
+    order = decoder_use_order(list(weights))
+    stream = cpu.default_stream
+    store = WeightStore(cpu, weights, infos, StreamPolicy(), 10**7, stream=stream)
+    outs = {n: cpu.alloc(weights[n].shape, weights[n].dtype, stream=stream, name=f"out:{n}")
+            for n in order}  # fmt: skip
+    _step(store, cpu, weights, order)  # learns the order
+    store.begin_step()
+    store.begin_capture()
+    with cpu.capture(stream=stream) as cap:
+        store.start(stream)
+        assert store.copy_stream is not None and store.copy_stream.capturing  # forked in
+        for name in order:
+            cpu.copy(outs[name], store.get(name, stream=stream), stream=stream)
+        store.finish(stream)
+    trace = store.end_capture()
+    assert not store.copy_stream.capturing
+    assert trace.htod_bytes == sum(weights[n].nbytes for n in order)
+    for _ in range(3):
+        for out in outs.values():
+            cpu.fill(out.view(np.uint8), 0xAB, stream=stream)  # poison
+        cap.graph.launch(stream=stream)
+        store.replayed(trace)
+        for name in order:
+            assert _same_bytes(outs[name], weights[name], cpu), name
+    store.end_step(1)
+    store.close()
+
+
+def test_copies_ahead_never_overwrite_a_buffer_still_valid(
+    cpu: Device, weights: Mapping[str, np.ndarray], infos: tuple[WeightInfo, ...]
+) -> None:
+    """With slots=3 the last two gets stay valid while predictions are copied ahead (on the CPU
+    device a copy lands when issued, so one issued a slot too early would show here)."""
+    stream = cpu.default_stream
+    order = decoder_use_order(list(weights))
+    store = WeightStore(cpu, weights, infos, StreamPolicy(), 10**7, stream=stream, slots=3)
+    _step(store, cpu, weights, order)  # learns the order
+    store.begin_step()
+    store.start(stream)
+    assert store._issued == 3
+    held: list[tuple[str, Buffer]] = []
+    for name in order:
+        held = [*held[-1:], (name, store.get(name, stream=stream))]
+        for kept, buffer in held:
+            assert _same_bytes(buffer, weights[kept], cpu), kept
+    store.finish(stream)
+    store.end_step(1)
+    store.close()
