@@ -21,6 +21,13 @@ shapes is measured as a reference line. Nothing here needs torch.
     python tools/bench_kernels.py --out results --reps 50 --quick
     python tools/bench_kernels.py --formats q4,mxfp4 --shapes 896x151936 --rows 1,4,16 \
         --no-attention --no-torch          # only those GEMV rows (and only their kernels built)
+    python tools/bench_kernels.py --formats q4,mxfp4 --shapes 896x151936 --rows 1,4,16 \
+        --gemv v1,v2 --no-attention --no-torch   # A/B: the q4/mxfp4 rows once per GEMV version
+
+``--gemv v1,v2`` times the q4 and mxfp4 rows once with ``GENAI_EP_GEMV=v1`` (the split-K and
+streaming GEMVs) and once with ``v2`` (the default: ``ep_gemv_<fmt>_v2_<dt>`` where it applies);
+their rows are labelled ``q4/v1``, ``q4/v2``. Large shapes (no whole reference check) are checked
+on their first and last 1024 columns.
 """
 
 from __future__ import annotations
@@ -219,13 +226,24 @@ def _weights(fmt: str, rng: np.random.Generator, K: int, N: int) -> dict[str, np
     }
 
 
-def _reference(fmt: str, x: np.ndarray, w: dict[str, np.ndarray], K: int, N: int) -> np.ndarray:
+def _reference(
+    fmt: str, x: np.ndarray, w: dict[str, np.ndarray], K: int, N: int, cols: slice | None = None
+) -> np.ndarray:
+    """The reference product, or its output columns ``cols`` (computed from those rows only)."""
+    r = cols if cols is not None else slice(0, N)
+    n = r.stop - r.start
     if fmt in ("bf16-nk", "bf16-kn"):
         wt = w["w"].astype(np.float32)
+        wt = wt[r] if fmt == "bf16-nk" else wt[:, r]
         return np.matmul(x.astype(np.float32), wt.T if fmt == "bf16-nk" else wt).astype(BF16)
     if fmt == "q4":
-        return ref.matmul_nbits_zp(x, w["b"], w["scales"], w["zp"], K=K, N=N, bits=4, block_size=32)
-    return ref.matmul_mxfp4(x, w["b"], w["scales"], K=K, N=N)
+        kb = -(-K // 32)
+        zr = (kb + 1) // 2
+        return ref.matmul_nbits_zp(
+            x, w["b"][r], w["scales"][r.start * kb : r.stop * kb],
+            w["zp"][r.start * zr : r.stop * zr], K=K, N=n, bits=4, block_size=32,
+        )  # fmt: skip
+    return ref.matmul_mxfp4(x, w["b"][r], w["scales"][r], K=K, N=n)
 
 
 def _launch(
@@ -262,7 +280,10 @@ def bench_gemv(
     reps: int,
     rng: np.random.Generator,
     ws: mm.MatmulWorkspace,
+    label: str = "",
 ) -> list[Row]:
+    """Time ``fmt`` at every M of ``rows``; ``label`` names its rows (default: the format)."""
+    label = label or fmt
     s = dev.default_stream
     host = _weights(fmt, rng, K, N)
     wbytes = sum(a.nbytes for a in host.values())
@@ -279,16 +300,23 @@ def bench_gemv(
     for M in rows:
         x = dev.alloc((M, K), BF16, stream=s, name="x")
         out = dev.alloc((M, N), BF16, stream=s, name="y")
-        note = ""
-        if N * K <= 5_000_000:  # a reference check (the NumPy reference of the big ones is slow)
-            xh = _bf16(rng, (M, K))
-            x.copy_from_host(xh, stream=s)
-            dev.fill(out, float("nan"), stream=s)
-            _launch(fmt, dev, out, x, first, M, K, N, ws)
-            got = out.to_host(stream=s).astype(np.float64)
-            want = _reference(fmt, xh, host, K, N).astype(np.float64)
-            err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-            note = f"rel err {err:.1e}" + ("" if err < 1e-2 else " FAILED")
+        # A reference check; the NumPy reference of a big one runs on its first and last 1024
+        # output columns only (the whole one is slow).
+        xh = _bf16(rng, (M, K))
+        x.copy_from_host(xh, stream=s)
+        dev.fill(out, float("nan"), stream=s)
+        _launch(fmt, dev, out, x, first, M, K, N, ws)
+        got_all = out.to_host(stream=s).astype(np.float64)
+        parts = [slice(0, N)] if N * K <= 5_000_000 else [slice(0, 1024), slice(N - 1024, N)]
+        err = 0.0
+        for r in parts:
+            want = _reference(fmt, xh, host, K, N, r).astype(np.float64)
+            err = max(
+                err, float(np.abs(got_all[:, r] - want).max() / max(np.abs(want).max(), 1e-30))
+            )
+        note = f"rel err {err:.1e}" + ("" if err < 1e-2 else " FAILED")
+        if len(parts) > 1:
+            note += " (2x1024 cols)"
         plan_box: list[mm.MatmulPlan] = []
 
         def record(
@@ -312,9 +340,11 @@ def bench_gemv(
         if copies * wbytes < pool_bytes:
             note += f" pool {copies * wbytes / 1e6:.0f} MB (L2-resident in part)"
         out_rows.append(
-            Row("gemv", fmt, K, N, M, moved, timing, gbps, gbps / copy_bps, geometry, note.strip())
+            Row(
+                "gemv", label, K, N, M, moved, timing, gbps, gbps / copy_bps, geometry, note.strip()
+            )
         )
-        print(f"  {fmt:8s} K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
+        print(f"  {label:8s} K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
               f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}  {note}", flush=True)  # fmt: skip
     for weights in pool:
         for b in weights.values():
@@ -484,7 +514,7 @@ def table(rows: list[Row], copy: dict[str, float]) -> str:
         lines.append(
             f"{r.kind:9s} {r.fmt:8s} {r.K:6d} {r.N:7d} {r.M:3d} {t.median_ms * 1e3:9.2f} "
             f"{t.min_ms * 1e3:8.2f}..{t.max_ms * 1e3:<8.2f} {r.gbps / 1e9:7.1f} {r.ratio:6.2f}"
-            f"{large}"
+            f"{large} {r.kernel.split(' ')[0]}"
         )
     lines.append("ratio = (bytes moved / median launch time) / copy bandwidth; * = target >= 0.8")
     lines.append("attention rows: K = context, N = query heads")
@@ -504,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--shapes", default="", help="KxN,KxN,... instead of the model's")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run")
+    parser.add_argument(
+        "--gemv",
+        default="",
+        help="GEMV versions for the q4/mxfp4 rows, e.g. v1,v2 (an A/B in one run); default: "
+        "the environment's GENAI_EP_GEMV (v2 when unset)",
+    )
     args = parser.parse_args(argv)
     shapes = SHAPES
     if args.shapes:
@@ -534,14 +570,30 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows:
         rows_m = [int(m) for m in args.rows.split(",")]
     ws = mm.matmul_workspace(dev, stream=dev.default_stream)
+    versions = [v.strip() for v in args.gemv.split(",") if v.strip()]
+    for v in versions:
+        if v not in ("v1", "v2"):
+            parser.error(f"--gemv {args.gemv!r}: expected a list of v1 and v2")
+    original = os.environ.get(mm.GEMV_ENV)
     results: list[Row] = []
     for fmt in formats:
-        for K, N in shapes:
-            try:
-                results += bench_gemv(dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws)
-            except Exception as exc:
-                traceback.print_exc()
-                results.append(Row("gemv", fmt, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))
+        passes = versions if versions and fmt in ("q4", "mxfp4") else [""]
+        for version in passes:
+            if version:
+                os.environ[mm.GEMV_ENV] = version
+            label = f"{fmt}/{version}" if version else fmt
+            for K, N in shapes:
+                try:
+                    results += bench_gemv(
+                        dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws, label
+                    )
+                except Exception as exc:
+                    traceback.print_exc()
+                    results.append(Row("gemv", label, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))
+            if original is None:
+                os.environ.pop(mm.GEMV_ENV, None)
+            else:
+                os.environ[mm.GEMV_ENV] = original
     if not args.no_attention:
         results += bench_attention(dev, copy_bps, pool, args.reps, rng)
     if not (args.no_torch or args.quick or dev.kind != "cuda"):

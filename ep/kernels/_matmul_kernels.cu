@@ -1641,3 +1641,409 @@ __device__ __forceinline__ Mx4Stream<T> mx4_stream(const u8* b, const u8* scales
 }
 
 }  // namespace epk
+
+namespace epk {
+
+// --- v2 decode GEMV: 4-bit (block >= 32) and MXFP4 over many output columns (fp16/bf16) --------
+//
+// `ep_gemv_<fmt>_v2_<dt>`: the vocabulary projection at HBM speed. Same ownership as the
+// streaming kernel (a warp owns whole 16-row groups over all of K, persistent grid, no K split),
+// rebuilt for instruction count, which is what bounded the earlier kernels (Nsight Compute on the
+// streaming one: ~470 warp-instructions per KB of weights, 0.57 issued per cycle per scheduler;
+// memory-bound operation at 3.3 TB/s leaves ~300 per KB at full issue).
+//
+//   * Weights go global -> registers directly (16-byte ld.global.nc.L1::no_allocate), in a ring of
+//     V2_DEPTH steps per warp: the loads for step s + D are issued right after step s is used, so
+//     D - 1 to D steps (KB a warp; 16 warps an SM) stay in flight across group boundaries.
+//     No shared-memory staging, no cp.async groups, no per-chunk bookkeeping: a lane
+//     keeps one 64-bit base pointer per row (and per scale/zero-point row) for the current group,
+//     recomputed once per group, and a step adds a 32-bit chunk offset to it.
+//   * Step i of group j, lane (g, t): chunk c = 4i + t (bytes 16c.., k 32c..) of rows 16j + g and
+//     16j + g + 8: each warp load covers 8 rows x 64 contiguous bytes (whole sectors).
+//   * x (all M rows, zero past K) is staged once per block in shared memory, already in the
+//     fragment order the dequantized weights come out in, so each B fragment is one ld.shared.v4
+//     with a constant offset (conflict-free: a row is 256 bytes a step, rows 64 bytes apart mod
+//     128). Lanes whose batch row is >= M read a zero row (a broadcast), so there is no predicate.
+//   * q4 dequantization by the magic-number trick with one LOP3 per pair, in the order
+//     (k0,k4) (k1,k5) (k2,k6) (k3,k7) of a word (that is why x is staged permuted):
+//       fp16: t = (w & 0x000F000F) | 0x64006400 = 1024 + q   -> (t - (1024 + z)) * s
+//             t = (w & 0x00F000F0) | 0x64006400 = 1024 + 16q -> fma(t, 1/16, -(64 + z)) * s
+//             for w and w >> 8: 1 SHF + 4 LOP3 + 4 HADD2/HFMA2 + 4 HMUL2 = 13 per 8 weights;
+//       bf16: t = ((w >> 4j) & 0x000F000F) | 0x43004300 = 128 + q -> (t - (128 + z)) * s:
+//             3 SHF + 4 LOP3 + 8 HFMA2 = 15 per 8 weights.
+//     (q - z) is exact and the product is rounded once: the dequantized weights are bitwise those
+//     of the other 4-bit kernels. The scale is applied per weight, not per block after the dot
+//     product: an MMA's k sum spans the 4 lanes of a quad, whose 16-byte chunks are 4 different
+//     32-weight blocks, so a per-block partial sum would need a 4x4 transpose of every chunk
+//     (shuffles or shared memory, ~12+ instructions per 16 bytes) plus per-word zero-point
+//     constants: more than the 4 HMUL2 per 8 weights it saves.
+//   * MXFP4: the E2M1 byte-permute tables of the other kernels (natural k order) and one HMUL2 per
+//     pair for the E8M0 scale; x is staged in natural order.
+//   * Products: mma.sync m16n8k16 with the weights as A straight from registers (A rows g, g + 8
+//     = weight rows 16j + g, + 8), x as B (batch rows = B columns, 8 an MMA; M > 8 runs a second
+//     MMA on the same A), fp32 accumulators in two chains (even / odd words).
+//
+// Instructions, counted in the sm_90 SASS of the NVRTC cubin (nvdisasm), steady-state step of the
+// M <= 8 loop with zero points (one step = 1 KB of weights a warp = 2 chunks of 16 bytes a lane):
+//   q4 fp16:  ~141 compute (104 dequantization = 32 LOP3 + 8 SHF + 64 HADD2/HFMA2/HMUL2, 8 HMMA,
+//             4 LDS.128, ~25 scale/zero-point unpacking and loop control) + 24 loads/addresses
+//             + ~12 a step of per-group work (row pointers, 4 stores) = ~177 warp-instructions
+//             per KB, ~88 per 16 bytes a lane (the earlier kernels: ~470 per KB);
+//   q4 bf16:  ~191 per KB (~95 per 16 bytes: 3 SHF a word instead of 1);
+//   MXFP4:    ~160-240 per KB (table decode ~16 per word; fp16 converts the E8M0 scale per row and
+//             step through float, the largest remaining overhead).
+// Budget at 3.3 TB/s: ~315 per KB at one instruction per cycle per scheduler.
+// Bytes in flight: D = 4 ring slots of 1 KB a warp (3 to 4 outstanding), 16 warps an SM: 48-64 KB
+// an SM (M > 8: D = 3, 32-48 KB); HBM needs roughly 32-40 KB an SM. ptxas (sm_90): 126/127
+// registers (q4 fp16/bf16), 115/121 (MXFP4), no spills, 16 x (256 x steps + 64) bytes of
+// dynamic shared memory (29.7 KB at K = 896).
+
+// A row's result is one warp's fixed sequence of MMAs over its group's steps: independent of M
+// (lanes of other batch rows only change other B columns), of N, of the grid and of timing, so a
+// piece of a weight (split_n) computes each of its rows exactly as the whole weight does.
+// Rows past N and chunks past the row end load clamped (in-bounds) addresses: rows past N are
+// never stored, and a chunk past the row meets x = 0 (k >= K) with the finite weights of a real
+// chunk of its row. Unaligned weights fall back to `ep_gemv_<fmt>` (the plan decides).
+
+constexpr int V2_WARPS = 16;  // warps a block; one block an SM: __launch_bounds__(512, 1)
+constexpr int V2_DEPTH = 4;   // ring slots a warp (steps of 1 KB a warp); D - 1 in flight
+constexpr int V2_DEPTH_TWO = 3;  // M > 8: the second B fragment set needs the registers
+constexpr int V2_ZERO_ROW = 15;  // the staged x row lanes of batch rows >= M read (zero if M < 16)
+
+template <typename T>
+__device__ __forceinline__ u32 pk_fma(u32 a, u32 b, u32 c);
+template <>
+__device__ __forceinline__ u32 pk_fma<__half>(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+template <>
+__device__ __forceinline__ u32 pk_fma<__nv_bfloat16>(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+
+// (a & MASK) | c in one LOP3 with MASK as its immediate: c (the magic exponent) is one register
+// for all four pairs, so nothing is rematerialised per pair.
+template <u32 MASK>
+__device__ __forceinline__ u32 and_or(u32 a, u32 c) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(MASK), "r"(c));
+  return r;
+}
+
+// q4 word -> pairs (k0,k4) (k1,k5) (k2,k6) (k3,k7) of (q - z) * s. magic: the magic exponent in
+// both halves; zc: (magic + z) in both halves; zh (fp16 only): -(64 + z) in both halves; s2: the
+// scale in both halves.
+template <typename T>
+__device__ __forceinline__ void q4_pairs_v2(u32 w, u32 magic, u32 s2, u32 zc, u32 zh,
+                                            u32 (&p)[4]);
+
+template <>
+__device__ __forceinline__ void q4_pairs_v2<__half>(u32 w, u32 magic, u32 s2, u32 zc, u32 zh,
+                                                   u32 (&p)[4]) {
+  const u32 w8 = w >> 8;
+  const u32 t0 = and_or<0x000F000Fu>(w, magic);   // 1024 + q   (k0, k4)
+  const u32 t1 = and_or<0x00F000F0u>(w, magic);   // 1024 + 16q (k1, k5)
+  const u32 t2 = and_or<0x000F000Fu>(w8, magic);  // (k2, k6)
+  const u32 t3 = and_or<0x00F000F0u>(w8, magic);  // (k3, k7)
+  const u32 sixteenth = 0x2C002C00u;              // 1/16 in both halves (an HFMA2 immediate)
+  p[0] = pk_mul<__half>(pk_sub<__half>(t0, zc), s2);
+  p[1] = pk_mul<__half>(pk_fma<__half>(t1, sixteenth, zh), s2);
+  p[2] = pk_mul<__half>(pk_sub<__half>(t2, zc), s2);
+  p[3] = pk_mul<__half>(pk_fma<__half>(t3, sixteenth, zh), s2);
+}
+
+template <>
+__device__ __forceinline__ void q4_pairs_v2<__nv_bfloat16>(u32 w, u32 magic, u32 s2, u32 zc, u32,
+                                                          u32 (&p)[4]) {
+  p[0] = and_or<0x000F000Fu>(w, magic);  // 128 + q (k0, k4)
+  p[1] = and_or<0x000F000Fu>(w >> 4, magic);
+  p[2] = and_or<0x000F000Fu>(w >> 8, magic);
+  p[3] = and_or<0x000F000Fu>(w >> 12, magic);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) p[j] = pk_mul<__nv_bfloat16>(pk_sub<__nv_bfloat16>(p[j], zc), s2);
+}
+
+// MatMulNBits rows, block size >= 32 (a 16-byte chunk lies in one block). ZP: zero points given.
+template <typename T, bool ZP>
+struct Q4V2 {
+  static constexpr bool kPermuted = true;  // x staged in the (k0,k4)(k1,k5).. order
+  const u8* b;
+  const u16* sc;  // scale bits
+  const u8* zp;
+  int N, row_bytes, chunks, kb, zp_row, e;  // e = log2(block) - 5: chunk c is in block c >> e
+  struct Rows {                              // a lane's two rows of the current group
+    const u8* w[2];
+    const u16* s[2];
+    const u8* z[2];
+  };
+  struct Raw {
+    uint4 q[2];
+    u32 s[2], z[2];  // raw scale bits; raw zero-point byte
+  };
+  __device__ int steps() const { return (row_bytes + 63) >> 6; }
+  __device__ void rows(int j, int g, Rows& r) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = min((j << 4) + g + 8 * h, N - 1);  // past N: an in-bounds row, never stored
+      r.w[h] = b + (size_t)n * (size_t)row_bytes;
+      r.s[h] = sc + (size_t)n * (size_t)kb;
+      if (ZP) r.z[h] = zp + (size_t)n * (size_t)zp_row;
+    }
+  }
+  __device__ int chunk(int i, int t) const { return min((i << 2) + t, chunks - 1); }
+  __device__ void load(const Rows& r, int i, int t, Raw& o) const {
+    const u32 c = (u32)chunk(i, t);
+    const u32 blk = c >> e;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      o.q[h] = ld_stream(r.w[h] + (c << 4));
+      o.s[h] = (u32)__ldg(r.s[h] + blk);
+      if (ZP) o.z[h] = (u32)__ldg(r.z[h] + (blk >> 1));
+    }
+  }
+  // The step's A pairs of word u for row h.
+  struct Dec {
+    u32 magic, s2[2], zc[2], zh[2];
+  };
+  __device__ void decode(const Raw& r, int i, int t, Dec& d) const {
+    d.magic = Elem<T>::kMagic * 0x10001u;
+    u32 shift = 0u;
+    if (ZP) shift = ((u32)chunk(i, t) >> e & 1u) << 2;  // the block's nibble of its zp byte
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      d.s2[h] = __byte_perm(r.s[h], 0u, 0x1010u);
+      const u32 z = ZP ? (r.z[h] >> shift) & 15u : 8u;
+      d.zc[h] = d.magic + z * 0x10001u;         // magic + z
+      d.zh[h] = 0xD400D400u + z * 0x00100010u;  // fp16 -(64 + z)
+    }
+  }
+  __device__ static void pairs(const Raw& r, const Dec& d, int h, int u, u32 (&p)[4]) {
+    q4_pairs_v2<T>(word_at(r.q[h], u), d.magic, d.s2[h], d.zc[h], d.zh[h], p);
+  }
+};
+
+// MXFP4 rows: chunk c of a row is MX block c, its E8M0 scale byte c.
+template <typename T>
+struct Mx4V2 {
+  static constexpr bool kPermuted = false;  // natural k order (the E2M1 tables' order)
+  const u8* b;
+  const u8* sc;
+  int N, row_bytes, chunks;
+  struct Rows {
+    const u8* w[2];
+    const u8* s[2];
+  };
+  struct Raw {
+    uint4 q[2];
+    u32 s[2];
+  };
+  struct Dec {
+    u32 s2[2];
+  };
+  __device__ int steps() const { return (row_bytes + 63) >> 6; }
+  __device__ void rows(int j, int g, Rows& r) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = min((j << 4) + g + 8 * h, N - 1);
+      r.w[h] = b + (size_t)n * (size_t)row_bytes;
+      r.s[h] = sc + (size_t)n * (size_t)chunks;
+    }
+  }
+  __device__ void load(const Rows& r, int i, int t, Raw& o) const {
+    const u32 c = (u32)min((i << 2) + t, chunks - 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      o.q[h] = ld_stream(r.w[h] + (c << 4));
+      o.s[h] = (u32)__ldg(r.s[h] + c);
+    }
+  }
+  __device__ void decode(const Raw& r, int, int, Dec& d) const {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) d.s2[h] = e8m0_bits<T>(r.s[h]) * 0x10001u;
+  }
+  __device__ static void pairs(const Raw& r, const Dec& d, int h, int u, u32 (&p)[4]) {
+    e2m1_pairs<T>(word_at(r.q[h], u), p);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) p[j] = pk_mul<T>(p[j], d.s2[h]);
+  }
+};
+
+// The 4 B-fragment vectors of one step: 16 bytes at addr, +64, +128, +192 of the shared window.
+__device__ __forceinline__ void lds4x4(u32 addr, uint4 (&v)[4]) {
+  asm volatile(
+      "ld.shared.v4.u32 {%0, %1, %2, %3}, [%16];\n\t"
+      "ld.shared.v4.u32 {%4, %5, %6, %7}, [%16+64];\n\t"
+      "ld.shared.v4.u32 {%8, %9, %10, %11}, [%16+128];\n\t"
+      "ld.shared.v4.u32 {%12, %13, %14, %15}, [%16+192];"
+      : "=r"(v[0].x), "=r"(v[0].y), "=r"(v[0].z), "=r"(v[0].w), "=r"(v[1].x), "=r"(v[1].y),
+        "=r"(v[1].z), "=r"(v[1].w), "=r"(v[2].x), "=r"(v[2].y), "=r"(v[2].z), "=r"(v[2].w),
+        "=r"(v[3].x), "=r"(v[3].y), "=r"(v[3].z), "=r"(v[3].w)
+      : "r"(addr)
+      : "memory");
+}
+
+// x[M, K] -> shared rows of 256 * S + 64 bytes: row r, step i, word u, lane t at
+// r * xrow + 256 i + 64 u + 16 t holds x[r][128 i + 32 t + 8 u ..+8] (zero past K), permuted to
+// (k0,k4)(k1,k5)(k2,k6)(k3,k7) when PERM. Rows M..14 are never read; row 15 is zero when M < 16.
+template <typename T, bool PERM>
+__device__ __forceinline__ void v2_stage_x(u8* xs, const T* __restrict__ x, int M, int K, int S,
+                                           int xrow, bool xv) {
+  const int per_row = S << 4;
+  const int units = 16 * per_row;
+  for (int q = threadIdx.x; q < units; q += blockDim.x) {
+    const int r = q / per_row;
+    if (r >= M && r != V2_ZERO_ROW) continue;
+    const int rest = q - r * per_row;
+    const int i = rest >> 4, u = (rest >> 2) & 3, t = rest & 3;
+    uint4 v = zero4();
+    if (r < M) {
+      v = load_chunk<T>(x + (size_t)r * (size_t)K, (i << 7) + (t << 5) + (u << 3), K, xv, false);
+    }
+    if (PERM) {
+      v = make_uint4(__byte_perm(v.x, v.z, 0x5410u), __byte_perm(v.x, v.z, 0x7632u),
+                     __byte_perm(v.y, v.w, 0x5410u), __byte_perm(v.y, v.w, 0x7632u));
+    }
+    *reinterpret_cast<uint4*>(xs + r * xrow + (i << 8) + (u << 6) + (t << 4)) = v;
+  }
+}
+
+template <typename T, class P, bool TWO>
+__device__ __forceinline__ void v2_run(const P& wp, T* __restrict__ y, const T* __restrict__ x,
+                                       u8* xs, int M, int N, int K, bool xv, int j0, int j1) {
+  constexpr int D = TWO ? V2_DEPTH_TWO : V2_DEPTH;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int S = wp.steps();
+  const int xrow = (S << 8) + 64;
+  const int total = (j1 - j0) * S;  // warp-uniform, as everything the loop branches on
+  typename P::Rows lr;
+  typename P::Raw ring[D];
+  int lj = j0, li = 0;  // the (group, step) loaded next
+  wp.rows(lj, g, lr);
+  // The first D steps go out before x is staged: their latency overlaps the staging.
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (d < total) {
+      wp.load(lr, li, t, ring[d]);
+      if (++li == S) {
+        li = 0;
+        wp.rows(++lj, g, lr);
+      }
+    }
+  }
+  v2_stage_x<T, P::kPermuted>(xs, x, M, K, S, xrow, xv);
+  __syncthreads();
+  // B fragments: this lane's batch row g (and g + 8), or the zero row; shared-window addresses
+  // that advance 256 bytes a step and return at the end of a group.
+  const u32 xa0 = smem_addr(xs) + (u32)((g < M ? g : V2_ZERO_ROW) * xrow + (t << 4));
+  const u32 xb0 = smem_addr(xs) + (u32)((g + 8 < M ? g + 8 : V2_ZERO_ROW) * xrow + (t << 4));
+  u32 xa = xa0, xb = xb0;
+  float c[2][2][4];  // [batch rows 0-7 | 8-15][even | odd words][fragment]
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int q = 0; q < 2; ++q) c[h][q][0] = c[h][q][1] = c[h][q][2] = c[h][q][3] = 0.0f;
+  int ci = 0, cj = j0;  // the (group, step) multiplied next
+  for (int s0 = 0; s0 < total; s0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (s0 + d >= total) break;
+      uint4 bl[4], bh[4];
+      lds4x4(xa, bl);
+      if (TWO) lds4x4(xb, bh);
+      xa += 256u;
+      xb += 256u;
+      typename P::Dec dec;
+      wp.decode(ring[d], ci, t, dec);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        u32 a[4], e[4];
+        P::pairs(ring[d], dec, 0, u, a);
+        P::pairs(ring[d], dec, 1, u, e);
+        mma16816<T>(c[0][u & 1], a[0], e[0], a[1], e[1], bl[u].x, bl[u].y);
+        mma16816<T>(c[0][u & 1], a[2], e[2], a[3], e[3], bl[u].z, bl[u].w);
+        if (TWO) {
+          mma16816<T>(c[1][u & 1], a[0], e[0], a[1], e[1], bh[u].x, bh[u].y);
+          mma16816<T>(c[1][u & 1], a[2], e[2], a[3], e[3], bh[u].z, bh[u].w);
+        }
+      }
+      // The slot is free: refill it with the step D ahead.
+      if (s0 + d + D < total) {
+        wp.load(lr, li, t, ring[d]);
+        if (++li == S) {
+          li = 0;
+          wp.rows(++lj, g, lr);
+        }
+      }
+      if (++ci == S) {  // group cj done: C[n][m] at (g | g + 8, 2t | 2t + 1 (+ 8))
+        const int n = (cj << 4) + g;
+#pragma unroll
+        for (int h = 0; h < (TWO ? 2 : 1); ++h) {
+          const int m = 2 * t + 8 * h;
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const int mm = m + (r & 1), nn = n + 8 * (r >> 1);
+            if (mm < M && nn < N) {
+              y[(size_t)mm * (size_t)N + nn] = Elem<T>::from_f(c[h][0][r] + c[h][1][r]);
+            }
+            c[h][0][r] = c[h][1][r] = 0.0f;
+          }
+        }
+        ci = 0;
+        ++cj;
+        xa = xa0;
+        xb = xb0;
+      }
+    }
+  }
+}
+
+template <typename T, class P>
+__device__ __forceinline__ void v2_gemv(const P& wp, T* __restrict__ y, const T* __restrict__ x,
+                                        int M, int N, int K, u32 flags) {
+  extern __shared__ __align__(16) u8 v2_xs[];
+  const int warp = threadIdx.x >> 5;
+  const long long warps = (long long)gridDim.x * V2_WARPS;
+  const long long gw = (long long)blockIdx.x * V2_WARPS + warp;
+  const long long groups = ((long long)N + 15) >> 4;
+  const int j0 = (int)(gw * groups / warps), j1 = (int)((gw + 1) * groups / warps);
+  const bool xv = (flags & EPK_X16) != 0;
+  if (M > 8) {  // uniform for the launch: one branch-free loop for each case
+    v2_run<T, P, true>(wp, y, x, v2_xs, M, N, K, xv, j0, j1);
+  } else {
+    v2_run<T, P, false>(wp, y, x, v2_xs, M, N, K, xv, j0, j1);
+  }
+}
+
+template <typename T, bool ZP>
+__device__ __forceinline__ Q4V2<T, ZP> q4_v2(const u8* b, const T* scales, const u8* zp, int N,
+                                              int kb, int bs_shift) {
+  Q4V2<T, ZP> p;
+  p.b = b;
+  p.sc = reinterpret_cast<const u16*>(scales);
+  p.zp = zp;
+  p.N = N;
+  p.row_bytes = (kb << bs_shift) >> 1;
+  p.chunks = p.row_bytes >> 4;
+  p.kb = kb;
+  p.zp_row = (kb + 1) >> 1;
+  p.e = bs_shift - 5;
+  return p;
+}
+
+template <typename T>
+__device__ __forceinline__ Mx4V2<T> mx4_v2(const u8* b, const u8* scales, int N, int K) {
+  Mx4V2<T> p;
+  p.b = b;
+  p.sc = scales;
+  p.N = N;
+  p.row_bytes = K >> 1;
+  p.chunks = K >> 5;
+  return p;
+}
+
+}  // namespace epk

@@ -31,6 +31,14 @@ kernel                    what and launch geometry
                           a warp owns whole 16-row groups over all K (no K split), fed by a
                           per-warp cp.async ring of shared-memory stages 4 steps ahead; the
                           plan streams the formats in ``_STREAM_FORMATS`` (q4 only, as measured).
+``ep_gemv_<fmt>_v2_<dt>`` decode, q4 (block >= 32) / mx4 fp16/bf16 over many columns (a 16-row
+                          group for every warp: the vocabulary projection), the default there:
+                          one persistent block of 16 warps an SM, a warp owns whole 16-row
+                          groups over all K; 16-byte weight loads straight into a 4-step register
+                          ring, x staged once per block in shared memory in the dequantized
+                          weights' fragment order, magic-number dequantization with one LOP3 a
+                          pair, weights as the MMA's A operand (~180 warp-instructions per KB of
+                          weights against ~470 for ``_stream_``; the .cu file counts them).
 ``ep_gemm_<fmt>_<dt>``    prefill: 64 x 64 output tiles. fp16/bf16: 128 threads (2 x 2 warps of
                           32 x 32), K tiles of 32 double-buffered in shared memory (cp.async for
                           dense, dequantize-into-shared for q4/mx4), ``mma.sync m16n8k16`` fed by
@@ -51,6 +59,13 @@ depends only on N, K, the format, the workspace size and the GPU's SM count, nev
 timing, so a row's result is bitwise the same at any M <= 16 and on every run. Use one workspace
 per stream. Without a workspace (``gy = 1``) results differ from those with one in rounding only.
 
+``GENAI_EP_GEMV=v1`` (`GEMV_ENV`, read at every plan) plans only the earlier GEMVs (split-K and
+``_stream_``), for A/B runs (``tools/bench_kernels.py --gemv v1,v2`` times both in one run);
+``v2``, the default, plans ``_v2_`` where it applies (fp16/bf16, q4 block >= 32 or MXFP4, 16-byte
+aligned weights, x for 16 rows within `_V2_MAX_SHARED`, the whole weight at least one 16-row group
+for each of the GPU's warps) and the earlier kernels elsewhere. Unaligned weights fall back to the
+earlier kernels (other rounding of the sums, same dequantized weights).
+
 Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
 rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
 (measured on the H200: about 0.6 of ``nk``'s bandwidth on the vocabulary projection). Both are
@@ -61,6 +76,7 @@ element-wise load path (slower, same results).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -81,6 +97,7 @@ from ep.ops.matmul import (
 )
 
 __all__ = [
+    "GEMV_ENV",
     "GEMV_MAX_ROWS",
     "MATMUL_KERNELS",
     "MatmulPlan",
@@ -88,8 +105,10 @@ __all__ = [
     "gemm",
     "gemm_mxfp4",
     "gemm_nbits",
+    "gemv_version",
     "matmul_workspace",
     "plan_matmul",
+    "v2_shared_bytes",
 ]
 
 GEMV_MAX_ROWS = 16  # the M rows of one m16n8k16 MMA
@@ -117,6 +136,13 @@ _STREAM_BLOCKS_PER_SM = 5
 # kernel took 47.8/48.1/65.0 us at M=1/4/16 against 40.7/42.5/74.2 for the split-K one; q4
 # streaming took 45.7/46.0/68.8 against 45.9/47.9/96.9.
 _STREAM_FORMATS: tuple[str, ...] = ("q4",)
+# The v2 q4/mx4 GEMVs (``ep_gemv_<fmt>_v2_<dt>``): one persistent block of 16 warps an SM, x
+# staged in shared memory for 16 rows (16 x (256 x steps + 64) bytes, steps = ceil(row bytes/64)).
+_V2_WARPS = 16
+_V2_MAX_SHARED = 160 * 1024  # K up to ~4992 for 4-bit (q4 block 32 or MXFP4)
+# GENAI_EP_GEMV=v1 plans the earlier kernels only (split-K and streaming GEMVs), for A/B runs.
+GEMV_ENV = "GENAI_EP_GEMV"
+_GEMV_VERSIONS = ("v1", "v2")
 
 
 # --- source and registration -------------------------------------------------------------------
@@ -186,6 +212,30 @@ def _stream_entry(fmt: str, name: str) -> str:
         f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
         f"u32 flags) {{\n  (void)ws; (void)counters; (void)kw; (void)gy;\n"
         f"  epk::stream_gemv<T>({policy}, y, x, M, N, K, flags);\n}}\n"
+    )
+
+
+def _v2_entry(fmt: str, name: str) -> str:
+    """The v2 GEMV (fp16/bf16 q4/mx4): the parameters of ``ep_gemv_<fmt>``, kw/gy unused."""
+    head = f'extern "C" __global__ void __launch_bounds__({32 * _V2_WARPS}, 1) {name}('
+    if fmt == "q4":
+        weights = "const u8* b, const T* scales, const u8* zp"
+        sizes = _Q4_SIZES
+        call = (
+            "epk::v2_gemv<T>(epk::q4_v2<T, {zp}>(b, scales, zp, N, kb, bs_shift), y, x, M, N, K, "
+            "flags);"
+        )
+        body = (
+            f"  if (flags & EPK_ZP) {{\n    {call.format(zp='true')}\n  }} else {{\n"
+            f"    {call.format(zp='false')}\n  }}\n"
+        )
+    else:
+        weights = "const u8* b, const u8* scales"
+        sizes = "int M, int N, int K"
+        body = "  epk::v2_gemv<T>(epk::mx4_v2<T>(b, scales, N, K), y, x, M, N, K, flags);\n"
+    return (
+        f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
+        f"u32 flags) {{\n  (void)ws; (void)counters; (void)kw; (void)gy;\n{body}}}\n"
     )
 
 
@@ -361,16 +411,17 @@ def _register() -> dict[str, KernelSource]:
                 )
             if fp32 or fmt not in ("q4", "mx4"):
                 continue
-            name = f"ep_gemv_{fmt}_stream_{suffix}"
-            out[name] = register_kernel(
-                KernelSource(
-                    name=name,
-                    source=f"{body}\ntypedef {ctype} T;\n{_stream_entry(fmt, name)}",
-                    params=tuple(p.replace("T*", f"{suffix}*") for p in _GEMV_PARAMS[fmt]),
-                    options=options,
-                    cpu=_twin(fmt, True),
+            for family, make in (("stream", _stream_entry), ("v2", _v2_entry)):
+                name = f"ep_gemv_{fmt}_{family}_{suffix}"
+                out[name] = register_kernel(
+                    KernelSource(
+                        name=name,
+                        source=f"{body}\ntypedef {ctype} T;\n{make(fmt, name)}",
+                        params=tuple(p.replace("T*", f"{suffix}*") for p in _GEMV_PARAMS[fmt]),
+                        options=options,
+                        cpu=_twin(fmt, True),
+                    )
                 )
-            )
     return out
 
 
@@ -435,11 +486,23 @@ class MatmulPlan:
     kw: int  # GEMV: K slices over the warps of a block
     gy: int  # GEMV: K slices over blocks (needs a workspace when > 1)
     reason: str
+    shared: int = 0  # dynamic shared memory bytes of a block (the v2 GEMVs' staged x)
 
 
 def _need(ok: bool, op: str, message: str) -> None:
     if not ok:
         raise KernelArgumentError(f"{op}: {message}")
+
+
+def gemv_version() -> str:
+    """``v2`` (default) or ``v1`` from `GEMV_ENV`: v1 never plans the ``_v2`` GEMVs."""
+    value = os.environ.get(GEMV_ENV, "v2").strip().lower() or "v2"
+    _need(
+        value in _GEMV_VERSIONS,
+        "matmul",
+        f"{GEMV_ENV}={value!r}; expected v1 (the split-K and streaming GEMVs) or v2 (the default)",
+    )
+    return value
 
 
 def _gemv_shape(fmt: Format, fp32: bool, N: int, K: int, block_size: int) -> tuple[int, int, int]:
@@ -468,6 +531,7 @@ def plan_matmul(
     workspace: MatmulWorkspace | None = None,
     sm_count: int = _DEFAULT_SMS,
     split_n: int | None = None,
+    aligned: bool = True,
 ) -> MatmulPlan:
     """The kernel and launch geometry for one call (M decides GEMV vs GEMM; nothing else does).
 
@@ -475,7 +539,8 @@ def plan_matmul(
     arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS`. ``split_n``: this call is
     N columns of a weight with ``split_n`` output columns (a streamed piece); the K split is
     chosen as a launch of all ``split_n`` columns would choose it, so every column gets the
-    arithmetic of the unsplit product.
+    arithmetic of the unsplit product. ``aligned``: the q4/mx4 weight bytes allow 16-byte loads
+    (else the v2 GEMVs are not planned). `GEMV_ENV` ``=v1`` plans the earlier GEMVs only.
     """
     found = _DTYPES.get(np.dtype(dtype))
     _need(
@@ -509,6 +574,10 @@ def plan_matmul(
             "whole weight this call is a piece of",
         )  # fmt: skip
         whole = int(split_n)
+    if fmt in ("q4", "mx4") and not fp32 and aligned and gemv_version() == "v2":
+        v2 = _plan_v2(fmt, suffix, N, whole, K, block_size, sm_count)
+        if v2 is not None:
+            return v2
     if fmt in _STREAM_FORMATS and not fp32:
         stream = _plan_stream(fmt, suffix, N, whole, K, sm_count)
         if stream is not None:
@@ -577,6 +646,42 @@ def _plan_stream(
         1,
         f"streaming GEMV: {groups} groups of 16 columns over {blocks} persistent blocks x "
         f"{_STREAM_WARPS} warps, each group all of K={K} in one warp (no K split)",
+    )
+
+
+def v2_shared_bytes(fmt: Format, K: int, block_size: int = 32) -> int:
+    """Shared memory of a v2 GEMV block: x for 16 rows, 256 bytes a step of 64 weight bytes."""
+    row_bytes = (-(-K // block_size) * block_size // 2) if fmt == "q4" else K // 2
+    return 16 * (256 * -(-row_bytes // 64) + 64)
+
+
+def _plan_v2(
+    fmt: Format, suffix: str, N: int, whole: int, K: int, block_size: int, sm_count: int
+) -> MatmulPlan | None:
+    """The v2 q4/mx4 GEMV when the whole weight has a 16-row group for every warp of the GPU.
+
+    Not for q4 blocks of 16 (a 16-byte chunk would span two scales) nor for K whose staged x
+    exceeds `_V2_MAX_SHARED`. A row's arithmetic in it depends on neither N nor the grid, so a
+    piece of such a weight (``whole`` > N) takes it too. Else None.
+    """
+    if fmt == "q4" and block_size < 32:
+        return None
+    shared = v2_shared_bytes(fmt, K, block_size)
+    sms = max(1, sm_count)
+    if shared > _V2_MAX_SHARED or -(-whole // 16) < sms * _V2_WARPS:
+        return None
+    groups = -(-N // 16)
+    blocks = min(sms, -(-groups // _V2_WARPS))
+    return MatmulPlan(
+        f"ep_gemv_{fmt}_v2_{suffix}",
+        "gemv",
+        (blocks, 1, 1),
+        32 * _V2_WARPS,
+        1,
+        1,
+        f"v2 GEMV: {groups} groups of 16 columns over {blocks} persistent blocks x {_V2_WARPS} "
+        f"warps, each group all of K={K} in one warp; x staged in {shared} bytes of shared memory",
+        shared,
     )
 
 
@@ -690,7 +795,7 @@ def _launch(
         *head, flags = args
         n_weights = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}[plan.kernel.split("_")[2]]
         full = [*head[:n_weights], ws, cnt, *head[n_weights:], plan.kw, plan.gy, flags]
-        kernel.launch(plan.grid, plan.block, *full, stream=stream)
+        kernel.launch(plan.grid, plan.block, *full, stream=stream, shared_mem=plan.shared)
     else:
         kernel.launch(plan.grid, plan.block, *args, stream=stream)
     return plan
@@ -798,6 +903,7 @@ def gemm_nbits(
         workspace=workspace,
         sm_count=_sm_count(dev),
         split_n=split_n,
+        aligned=bool(flags & _FLAG_W16),
     )
     shift = int(math.log2(block_size))
     zp = zero_points if zero_points is not None else b  # never read without EPK_ZP
@@ -839,6 +945,14 @@ def gemm_mxfp4(
     _check_workspace(op, dev, workspace)
     flags = _x16(x, K) | (_FLAG_W16 if b.ptr % 16 == 0 else 0) | (_FLAG_W8 if b.ptr % 8 == 0 else 0)
     plan = plan_matmul(
-        "mx4", dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev), split_n=split_n
+        "mx4",
+        dtype,
+        M=M,
+        N=N,
+        K=K,
+        workspace=workspace,
+        sm_count=_sm_count(dev),
+        split_n=split_n,
+        aligned=bool(flags & _FLAG_W16),
     )
     return _launch(dev, plan, [out, x, b, scales, M, N, K, flags], workspace, out, stream)

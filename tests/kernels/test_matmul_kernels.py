@@ -102,8 +102,8 @@ def test_every_matmul_kernel_compiles_to_sm90_cubin(tmp_path: Path) -> None:
     for name, source in MATMUL_KERNELS.items():
         report = compile_kernel(source, "sm_90", cache=cache).report
         assert report.cubin_bytes > 0, name
-    # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, and the streaming q4/mx4 GEMVs
-    assert len(MATMUL_KERNELS) == 24 + 4
+    # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, the streaming and v2 q4/mx4 GEMVs
+    assert len(MATMUL_KERNELS) == 24 + 4 + 4
 
 
 # --- dense -------------------------------------------------------------------------------------
@@ -562,9 +562,11 @@ STREAM_N = 1000  # 62 full groups of 16 rows and a half one
 
 @pytest.fixture
 def one_sm(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plan for one SM, and stream MXFP4 too (its kernel is built and must be right)."""
+    """Plan for one SM, and stream MXFP4 too (its kernel is built and must be right); v1 GEMVs
+    only (the v2 ones would take these shapes)."""
     monkeypatch.setattr(matmul, "_sm_count", lambda dev: 1)
     monkeypatch.setattr(matmul, "_STREAM_FORMATS", ("q4", "mx4"))
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")
 
 
 def _random_q4(
@@ -761,6 +763,7 @@ def test_stream_unaligned_arrays_take_the_plain_load_path(
 def test_plan_streams_the_vocabulary_projection_and_splits_k_otherwise(
     cpu_device: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")  # the v2 GEMVs take these shapes by default
     ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
     # MXFP4 streams only when asked (it measured slower than split-K at M <= 4)
     assert plan_matmul("mx4", BF16, M=1, N=151936, K=896).kernel == "ep_gemv_mx4_bf16"
@@ -802,6 +805,7 @@ def test_stream_vocabulary_projection_on_the_gpu(
     """The real shape (K=896, N=151936, bf16, M=4) on the GPU's own SM count: the first and last
     2048 columns against the reference on those rows, and no NaN anywhere."""
     monkeypatch.setattr(matmul, "_STREAM_FORMATS", ("q4", "mx4"))
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")
     dev, s = cuda_device, cuda_device.default_stream
     M, K, N = 4, 896, 151936
     x = _acts(rng, BF16, M, K)
@@ -849,3 +853,320 @@ def test_layer_sized_dense_gemvs_split_k_over_every_warp(cpu_device: Device) -> 
     # 4-bit weights keep the one-wave rule (38 steps over 8 warps x 4 blocks, not 8 x 1)
     q4 = plan_matmul("q4", BF16, M=1, N=1152, K=4864, workspace=ws, sm_count=132)
     assert (q4.kw, q4.gy) == (8, 4)
+
+
+# --- the v2 q4/mx4 GEMVs (`ep_gemv_<fmt>_v2_<dt>`) ------------------------------------------------
+#
+# plan_matmul picks them when the whole weight has a 16-row group for every warp of the GPU
+# (16 warps an SM). The GPU tests reach small N through ``split_n`` (a piece of a 151936-row
+# weight: the piece takes the whole weight's kernel), so every N runs the v2 kernel itself.
+
+VOCAB = 151936
+V2_ROWS = [16, 1, 3, 4]  # 16 first: the other batches must equal its rows bitwise
+
+
+def _v2_kernel(fmt: str, dtype: np.dtype) -> str:
+    return f"ep_gemv_{fmt}_v2_{'f16' if dtype == F16 else 'bf16'}"
+
+
+def _check_rows(got: np.ndarray, want: Callable[[slice], np.ndarray], N: int, dtype: np.dtype,
+                rel_error: RelError) -> None:  # fmt: skip
+    """got [M, N] against the reference: all rows when N is small, else the first and last 2048
+    (a NumPy reference of a whole 151936-row weight takes too long)."""
+    assert np.isfinite(got.astype(np.float32)).all()
+    parts = [slice(0, N)] if N <= 4096 else [slice(0, 2048), slice(N - 2048, N)]
+    for r in parts:
+        assert rel_error(got[:, r], want(r)) < _tol(dtype), r
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("zero_point", [False, True], ids=["zp8", "zp"])
+@pytest.mark.parametrize("block", [16, 32, 64, 128])
+@pytest.mark.parametrize("K", [32, 96, 896, 4864])
+@pytest.mark.parametrize("N", [1, 15, 16, 1000])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_v2_nbits_matches_matmul_nbits_at_every_batch_size(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    dtype: np.dtype,
+    N: int,
+    K: int,
+    block: int,
+    zero_point: bool,
+) -> None:
+    """Every N (odd tails), K (padded blocks, K < one 128-k step, steps ending mid-row), block
+    size (16 falls back) and zero points: M = 16, 1, 3, 4 against the reference, and each row of
+    the smaller batches bitwise the same as in the batch of 16."""
+    dev, s = cuda_device, cuda_device.default_stream
+    x = _acts(rng, dtype, GEMV_MAX_ROWS, K)
+    b, scales, zp = _q4_case(rng, dtype, N, K, block, zero_point)
+    weights = [dev.to_device(b, stream=s), dev.to_device(scales, stream=s)]
+    zb = dev.to_device(zp, stream=s) if zp is not None else None
+    batch: np.ndarray | None = None
+    for M in V2_ROWS:
+        out = dev.alloc(M * N + 40, dtype, stream=s, name="y")  # 40 spare elements stay NaN
+        poison(out)
+        plan = gemm_nbits(dev, out, dev.to_device(x[:M], stream=s), weights[0], weights[1], zb,
+                          M=M, N=N, K=K, block_size=block, stream=s, split_n=VOCAB)  # fmt: skip
+        assert (plan.kernel == _v2_kernel("q4", dtype)) == (block >= 32), plan.kernel
+        got = out.to_host(stream=s)
+        assert np.isnan(got[M * N :].astype(np.float32)).all()  # nothing written past y
+        got = got[: M * N].reshape(M, N)
+        want = _q4_ref(x[:M], b, scales, zp, N, K, block)
+
+        def ref(r: slice, want: np.ndarray = want) -> np.ndarray:
+            return want[:, r]
+
+        _check_rows(got, ref, N, dtype, rel_error)
+        if batch is None:
+            batch = got
+        else:
+            np.testing.assert_array_equal(got, batch[:M])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("K", [32, 96, 896, 4864])
+@pytest.mark.parametrize("N", [1, 15, 16, 1000])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_v2_mxfp4_matches_matmul_mxfp4_at_every_batch_size(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    dtype: np.dtype,
+    N: int,
+    K: int,
+) -> None:
+    dev, s = cuda_device, cuda_device.default_stream
+    x = _acts(rng, dtype, GEMV_MAX_ROWS, K)
+    mb, ms = _mx4_case(rng, N, K)
+    weights = [dev.to_device(mb, stream=s), dev.to_device(ms, stream=s)]
+    batch: np.ndarray | None = None
+    for M in V2_ROWS:
+        out = dev.alloc(M * N + 40, dtype, stream=s, name="y")
+        poison(out)
+        plan = gemm_mxfp4(dev, out, dev.to_device(x[:M], stream=s), *weights, M=M, N=N, K=K,
+                          stream=s, split_n=VOCAB)  # fmt: skip
+        assert plan.kernel == _v2_kernel("mx4", dtype)
+        got = out.to_host(stream=s)
+        assert np.isnan(got[M * N :].astype(np.float32)).all()
+        got = got[: M * N].reshape(M, N)
+        want = matmul_mxfp4(x[:M], mb, ms, K=K, N=N)
+
+        def ref(r: slice, want: np.ndarray = want) -> np.ndarray:
+            return want[:, r]
+
+        _check_rows(got, ref, N, dtype, rel_error)
+        if batch is None:
+            batch = got
+        else:
+            np.testing.assert_array_equal(got, batch[:M])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fmt", ["q4", "q4-zp8", "mx4"])
+@pytest.mark.parametrize("K", [896, 4864])
+def test_v2_vocabulary_projection_on_the_gpu(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    fmt: str,
+    K: int,
+) -> None:
+    """N = 151936 without split_n on the GPU's own SM count (the plan picks v2 by itself): M = 16,
+    1, 4 against the reference on the first and last 2048 columns, rows bitwise equal across M,
+    and a second launch bitwise the first."""
+    dev, s = cuda_device, cuda_device.default_stream
+    N, dtype = VOCAB, BF16
+    x = _acts(rng, dtype, GEMV_MAX_ROWS, K)
+    if fmt.startswith("q4"):
+        b, scales, zps = _random_q4(rng, dtype, N, K, 32)
+        zp = zps if fmt == "q4" else None
+        kb, zr = K // 32, (K // 32 + 1) // 2
+        arrays = [dev.to_device(b, stream=s), dev.to_device(scales, stream=s)]
+        zb = dev.to_device(zp, stream=s) if zp is not None else None
+
+        def ref(r: slice, M: int) -> np.ndarray:
+            n = r.stop - r.start
+            sc = scales[r.start * kb : r.stop * kb]
+            if zp is None:
+                return matmul_nbits(x[:M], b[r], sc, K=K, N=n, bits=4, block_size=32)
+            return matmul_nbits_zp(x[:M], b[r], sc, zp[r.start * zr : r.stop * zr], K=K, N=n,
+                                   bits=4, block_size=32)  # fmt: skip
+    else:
+        mb, ms = _mx4_case(rng, N, K)
+        arrays = [dev.to_device(mb, stream=s), dev.to_device(ms, stream=s)]
+        zb = None
+
+        def ref(r: slice, M: int) -> np.ndarray:
+            return matmul_mxfp4(x[:M], mb[r], ms[r], K=K, N=r.stop - r.start)
+
+    def run(M: int) -> np.ndarray:
+        out = _out(dev, dtype, M, N, poison)
+        xb = dev.to_device(x[:M], stream=s)
+        if fmt.startswith("q4"):
+            plan = gemm_nbits(dev, out, xb, arrays[0], arrays[1], zb, M=M, N=N, K=K,
+                              block_size=32, stream=s)  # fmt: skip
+        else:
+            plan = gemm_mxfp4(dev, out, xb, arrays[0], arrays[1], M=M, N=N, K=K, stream=s)
+        assert "_v2_" in plan.kernel and plan.block == 512
+        return out.to_host(stream=s)
+
+    batch = run(GEMV_MAX_ROWS)
+    np.testing.assert_array_equal(run(GEMV_MAX_ROWS), batch)
+    for M in (1, 4):
+        got = run(M)
+        np.testing.assert_array_equal(got, batch[:M])
+        for r in (slice(0, 2048), slice(N - 2048, N)):
+            assert rel_error(got[:, r], ref(r, M)) < 1e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_v2_unaligned_weights_fall_back_and_unaligned_x_stays_v2(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    dtype: np.dtype,
+) -> None:
+    """Weights one byte past an aligned address take the v1 kernel (same results within
+    tolerance); x one element past an aligned address is staged element-wise by v2."""
+    dev, s = cuda_device, cuda_device.default_stream
+    M, N, K, block = 3, 1000, 256, 32
+    x = _acts(rng, dtype, M, K)
+
+    def shifted(a: np.ndarray) -> Buffer:
+        flat = a.reshape(-1)
+        buf = dev.to_device(np.concatenate([np.zeros(1, flat.dtype), flat]), stream=s)
+        return buf.view(flat.dtype, flat.size, offset=flat.dtype.itemsize)
+
+    b, scales, zp = _q4_case(rng, dtype, N, K, block, True)
+    assert zp is not None
+    want = _q4_ref(x, b, scales, zp, N, K, block)
+    sc, zb = dev.to_device(scales, stream=s), dev.to_device(zp, stream=s)
+    for xb, wb, v2 in ((shifted(x), dev.to_device(b, stream=s), True),
+                       (dev.to_device(x, stream=s), shifted(b), False)):  # fmt: skip
+        out = _out(dev, dtype, M, N, poison)
+        plan = gemm_nbits(dev, out, xb, wb, sc, zb, M=M, N=N, K=K, block_size=block, stream=s,
+                          split_n=VOCAB)  # fmt: skip
+        assert ("_v2_" in plan.kernel) == v2, plan.kernel
+        assert rel_error(out.to_host(stream=s), want) < _tol(dtype)
+    mb, ms = _mx4_case(rng, N, K)
+    out = _out(dev, dtype, M, N, poison)
+    plan = gemm_mxfp4(dev, out, dev.to_device(x, stream=s), shifted(mb),
+                      dev.to_device(ms, stream=s), M=M, N=N, K=K, stream=s,
+                      split_n=VOCAB)  # fmt: skip
+    assert "_v2_" not in plan.kernel
+    assert rel_error(out.to_host(stream=s), matmul_mxfp4(x, mb, ms, K=K, N=N)) < _tol(dtype)
+
+
+@pytest.mark.cuda
+def test_v1_switch_runs_the_earlier_kernels_on_the_gpu(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dev, s = cuda_device, cuda_device.default_stream
+    M, N, K = 4, 1000, 896
+    x = _acts(rng, BF16, M, K)
+    b, scales, zp = _q4_case(rng, BF16, N, K, 32, True)
+    assert zp is not None
+    arrays = [dev.to_device(a, stream=s) for a in (x, b, scales, zp)]
+    kernels = []
+    for version in ("v2", "v1"):
+        monkeypatch.setenv(matmul.GEMV_ENV, version)
+        out = _out(dev, BF16, M, N, poison)
+        plan = gemm_nbits(dev, out, *arrays, M=M, N=N, K=K, block_size=32, stream=s,
+                          split_n=VOCAB)  # fmt: skip
+        kernels.append(plan.kernel)
+        assert rel_error(out.to_host(stream=s), _q4_ref(x, b, scales, zp, N, K, 32)) < 1e-2
+    assert kernels == ["ep_gemv_q4_v2_bf16", "ep_gemv_q4_stream_bf16"]
+
+
+def test_v2_plan_takes_the_vocabulary_projection_whatever_m(cpu_device: Device) -> None:
+    ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
+    for fmt in ("q4", "mx4"):
+        for dtype, suffix in ((BF16, "bf16"), (F16, "f16")):
+            for block in (32, 64, 128) if fmt == "q4" else (32,):
+                plans = {
+                    plan_matmul(fmt, dtype, M=m, N=VOCAB, K=896, block_size=block, workspace=w)
+                    for m in range(1, GEMV_MAX_ROWS + 1)
+                    for w in (ws, None)
+                }
+                assert len(plans) == 1, plans  # neither M nor the workspace changes it
+                plan = plans.pop()
+                assert plan.kernel == f"ep_gemv_{fmt}_v2_{suffix}"
+                assert (plan.grid, plan.block, plan.kw, plan.gy) == ((132, 1, 1), 512, 1, 1)
+                # x for 16 rows: 7 steps of 256 bytes and 64 bytes of padding a row
+                assert plan.shared == matmul.v2_shared_bytes(fmt, 896, block) == 16 * (7 * 256 + 64)
+            # one 16-row group for every warp (16 an SM) is the smallest N that takes it
+            edge = plan_matmul(fmt, dtype, M=1, N=132 * 16 * 16, K=896)
+            assert edge.kernel == f"ep_gemv_{fmt}_v2_{suffix}" and edge.grid == (132, 1, 1)
+            below = plan_matmul(fmt, dtype, M=1, N=132 * 16 * 16 - 16, K=896)
+            assert "_v2_" not in below.kernel
+            # a piece of the vocabulary takes the whole weight's kernel, with its own grid
+            piece = plan_matmul(fmt, dtype, M=1, N=1000, K=896, split_n=VOCAB, workspace=ws)
+            assert piece.kernel == plan.kernel and piece.grid == (4, 1, 1)  # 63 groups
+            assert plan_matmul(fmt, dtype, M=1, N=1, K=896, split_n=VOCAB).grid == (1, 1, 1)
+            # M > 16 is the GEMM; fp32, unaligned weights and a too long K are not v2
+            assert plan_matmul(fmt, dtype, M=17, N=VOCAB, K=896).kind == "gemm"
+            assert "_v2_" not in plan_matmul(fmt, dtype, M=1, N=VOCAB, K=896, aligned=False).kernel
+            assert "_v2_" not in plan_matmul(fmt, dtype, M=1, N=VOCAB, K=8192).kernel
+            assert "_v2_" in plan_matmul(fmt, dtype, M=1, N=VOCAB, K=4864).kernel
+        assert "_v2_" not in plan_matmul(fmt, np.dtype(np.float32), M=1, N=VOCAB, K=896).kernel
+    # 4-bit blocks of 16 (two scales a 16-byte chunk) keep the streaming kernel
+    assert plan_matmul("q4", BF16, M=1, N=VOCAB, K=896, block_size=16).kernel == (
+        "ep_gemv_q4_stream_bf16"
+    )
+    # the model's narrow shapes keep the K split
+    for N, K in ((4864, 896), (896, 4864), (1152, 896)):
+        assert "_v2_" not in plan_matmul("q4", BF16, M=1, N=N, K=K, workspace=ws).kernel
+
+
+def test_v1_switch_and_a_bad_value(cpu_device: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert matmul.gemv_version() == "v2"
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")
+    assert matmul.gemv_version() == "v1"
+    assert plan_matmul("q4", BF16, M=1, N=VOCAB, K=896).kernel == "ep_gemv_q4_stream_bf16"
+    assert plan_matmul("mx4", BF16, M=1, N=VOCAB, K=896).kernel == "ep_gemv_mx4_bf16"
+    monkeypatch.setenv(matmul.GEMV_ENV, "v3")
+    with pytest.raises(KernelArgumentError, match="GENAI_EP_GEMV='v3'; expected v1"):
+        plan_matmul("q4", BF16, M=1, N=VOCAB, K=896)
+    monkeypatch.setenv(matmul.GEMV_ENV, "V2")
+    assert plan_matmul("q4", BF16, M=1, N=VOCAB, K=896).kernel == "ep_gemv_q4_v2_bf16"
+
+
+@pytest.mark.parametrize("fmt", ["q4", "mx4"])
+def test_v2_runs_its_numpy_twin_on_the_cpu(
+    cpu_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    fmt: str,
+) -> None:
+    """The CPU device launches the v2 plan (its twin: the reference's arithmetic)."""
+    dev, s = cpu_device, cpu_device.default_stream
+    M, N, K = 3, 37, 128
+    x = _acts(rng, BF16, M, K)
+    out = _out(dev, BF16, M, N, poison)
+    if fmt == "q4":
+        b, scales, zp = _q4_case(rng, BF16, N, K, 32, True)
+        assert zp is not None
+        plan = gemm_nbits(dev, out, upload(dev, x), upload(dev, b), upload(dev, scales),
+                          upload(dev, zp), M=M, N=N, K=K, block_size=32, stream=s,
+                          split_n=VOCAB)  # fmt: skip
+        want = _q4_ref(x, b, scales, zp, N, K, 32)
+    else:
+        mb, ms = _mx4_case(rng, N, K)
+        plan = gemm_mxfp4(dev, out, upload(dev, x), upload(dev, mb), upload(dev, ms), M=M, N=N,
+                          K=K, stream=s, split_n=VOCAB)  # fmt: skip
+        want = matmul_mxfp4(x, mb, ms, K=K, N=N)
+    assert plan.kernel == f"ep_gemv_{fmt}_v2_bf16"
+    assert rel_error(out.to_host(stream=s), want) < 1e-2
