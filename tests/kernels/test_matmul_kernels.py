@@ -29,6 +29,7 @@ from ep.kernels.matmul import (
 )
 from ep.ops import DictWeights, use_weights
 from ep.ops.matmul import (
+    dequantize_nbits,
     matmul_mxfp4,
     matmul_nbits,
     matmul_nbits_zp,
@@ -82,9 +83,15 @@ def _q4_case(
 def _q4_ref(
     x: np.ndarray, b: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, N: int, K: int, bs: int
 ) -> np.ndarray:
-    if zp is None:
-        return matmul_nbits(x, b, scales, K=K, N=N, bits=4, block_size=bs)
-    return matmul_nbits_zp(x, b, scales, zp, K=K, N=N, bits=4, block_size=bs)
+    """MatMulNBits with the dequantized weights rounded once to x's dtype, as the kernels compute
+    them ((q - z) * s in fp16/bf16 registers) before the fp32 sums. The fp32 reference alone
+    would show that rounding as a large relative error on a single output whose sum cancels."""
+    if x.dtype == np.float32:
+        if zp is None:
+            return matmul_nbits(x, b, scales, K=K, N=N, bits=4, block_size=bs)
+        return matmul_nbits_zp(x, b, scales, zp, K=K, N=N, bits=4, block_size=bs)
+    w = dequantize_nbits(b, scales, zp, K=K, N=N, block_size=bs).astype(x.dtype)
+    return (x.astype(np.float32) @ w.astype(np.float32).T).astype(x.dtype)
 
 
 def _mx4_case(rng: np.random.Generator, N: int, K: int) -> tuple[np.ndarray, np.ndarray]:
