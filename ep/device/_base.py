@@ -463,6 +463,13 @@ class Kernel:
         self.device = device
         self.source = source
         self._params = [param_dtype(p) for p in source.params]
+        # integer parameters' ranges, looked up once: launches are on the eager step's hot path
+        self._ranges = [
+            (int(np.iinfo(dt).min), int(np.iinfo(dt).max))
+            if dt is not None and not ptr and dt.kind in "iu"
+            else None
+            for ptr, dt in self._params
+        ]
         self._native: Any = None
         self.report: KernelReport | None = None
 
@@ -543,42 +550,50 @@ class Kernel:
             raise DeviceError(
                 f"{self.source.signature} takes {len(self._params)} arguments, got {len(args)}"
             )
+        # Messages are built only on failure: this runs for every launch of an eager step.
         out: list[KernelArg] = []
-        for index, (arg, (is_pointer, dtype), param) in enumerate(
-            zip(args, self._params, self.source.params, strict=True)
+        for index, (arg, (is_pointer, dtype), limits) in enumerate(
+            zip(args, self._params, self._ranges, strict=True)
         ):
-            where = f"argument {index} ({param}) of {self.source.signature}"
             if is_pointer:
                 if not isinstance(arg, Buffer):
-                    raise DeviceError(f"{where}: expected a Buffer, got {type(arg).__name__}")
-                arg._check_open(where)
+                    raise DeviceError(
+                        f"{self._where(index)}: expected a Buffer, got {type(arg).__name__}"
+                    )
+                if arg.closed:
+                    arg._check_open(self._where(index))
                 if arg.device is not self.device:
                     raise DeviceError(
-                        f"{where}: buffer {arg.name!r} is on {arg.device.name}, the kernel on "
-                        f"{self.device.name}"
+                        f"{self._where(index)}: buffer {arg.name!r} is on {arg.device.name}, the "
+                        f"kernel on {self.device.name}"
                     )
                 if dtype is not None and arg.dtype != dtype:
                     raise DeviceError(
-                        f"{where}: buffer {arg.name!r} has dtype {arg.dtype}, expected {dtype}; "
-                        "pass buffer.view(dtype) if reinterpreting the bytes is intended"
+                        f"{self._where(index)}: buffer {arg.name!r} has dtype {arg.dtype}, "
+                        f"expected {dtype}; pass buffer.view(dtype) if reinterpreting the bytes "
+                        "is intended"
                     )
                 out.append(_Pointer(arg, dtype))
                 continue
             assert dtype is not None
             if isinstance(arg, Buffer) or not isinstance(arg, int | float | np.generic):
-                raise DeviceError(f"{where}: expected a number, got {type(arg).__name__}")
+                raise DeviceError(f"{self._where(index)}: expected a number, got "
+                                  f"{type(arg).__name__}")  # fmt: skip
             if isinstance(arg, np.generic) and arg.dtype == dtype:
                 out.append(arg)
                 continue
-            if dtype.kind in "iu":
-                if isinstance(arg, float | np.floating) or not (
-                    np.iinfo(dtype).min <= int(arg) <= np.iinfo(dtype).max
-                ):
-                    raise DeviceError(f"{where}: {arg!r} is not an integer in the range of {dtype}")
+            if limits is not None:
+                if isinstance(arg, float | np.floating) or not limits[0] <= int(arg) <= limits[1]:
+                    raise DeviceError(
+                        f"{self._where(index)}: {arg!r} is not an integer in the range of {dtype}"
+                    )
                 out.append(dtype.type(int(arg)))
             else:
                 out.append(dtype.type(float(arg)))
         return out
+
+    def _where(self, index: int) -> str:
+        return f"argument {index} ({self.source.params[index]}) of {self.source.signature}"
 
 
 # --- capture and graphs ----------------------------------------------------------------------

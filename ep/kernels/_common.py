@@ -250,22 +250,17 @@ def check_buffer(
     op: str, name: str, buffer: Buffer, elements: int, dtype: np.dtype | None = None
 ) -> None:
     """``buffer`` is a Buffer of ``dtype`` holding at least ``elements`` elements."""
-    need(
-        isinstance(buffer, Buffer),
-        op,
-        f"{name} must be a device Buffer, got {type(buffer).__name__}",
-    )
-    if dtype is not None:
+    # Plain ifs: the messages are formatted only on failure (every eager launch passes here).
+    if not isinstance(buffer, Buffer):
+        need(False, op, f"{name} must be a device Buffer, got {type(buffer).__name__}")
+    if dtype is not None and buffer.dtype != dtype:
+        need(False, op, f"{name} {buffer.name!r} is {buffer.dtype}; expected {np.dtype(dtype)}")
+    if buffer.size < elements:
         need(
-            buffer.dtype == np.dtype(dtype),
+            False,
             op,
-            f"{name} {buffer.name!r} is {buffer.dtype}; expected {np.dtype(dtype)}",
+            f"{name} {buffer.name!r} holds {buffer.size} elements; the sizes given need {elements}",
         )
-    need(
-        buffer.size >= elements,
-        op,
-        f"{name} {buffer.name!r} holds {buffer.size} elements; the sizes given need {elements}",
-    )
 
 
 def check_index_buffer(op: str, name: str, buffer: Buffer, elements: int) -> int:

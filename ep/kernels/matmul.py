@@ -713,24 +713,27 @@ def _sizes(op: str, **sizes: int) -> None:
 def _buffer(
     op: str, dev: Device, role: str, buffer: object, elements: int, dtype: np.dtype
 ) -> Buffer:
-    _need(isinstance(buffer, Buffer), op, f"{role} must be a Buffer, got {type(buffer).__name__}")
+    # Plain ifs: the messages are formatted only on failure (every eager launch passes here).
+    if not isinstance(buffer, Buffer):
+        _need(False, op, f"{role} must be a Buffer, got {type(buffer).__name__}")
     assert isinstance(buffer, Buffer)
-    _need(
-        buffer.device is dev,
-        op,
-        f"{role} {buffer.name!r} is on {buffer.device.name}, the call on {dev.name}",
-    )
-    _need(
-        buffer.dtype == dtype,
-        op,
-        f"{role} {buffer.name!r} is {buffer.dtype}; expected {dtype}"
-        + ("" if role != "out" else " (the output has the activations' dtype)"),
-    )
-    _need(
-        buffer.size >= elements,
-        op,
-        f"{role} {buffer.name!r} holds {buffer.size} elements; these sizes need {elements}",
-    )
+    if buffer.device is not dev:
+        _need(
+            False, op, f"{role} {buffer.name!r} is on {buffer.device.name}, the call on {dev.name}"
+        )
+    if buffer.dtype != dtype:
+        _need(
+            False,
+            op,
+            f"{role} {buffer.name!r} is {buffer.dtype}; expected {dtype}"
+            + ("" if role != "out" else " (the output has the activations' dtype)"),
+        )
+    if buffer.size < elements:
+        _need(
+            False,
+            op,
+            f"{role} {buffer.name!r} holds {buffer.size} elements; these sizes need {elements}",
+        )
     return buffer
 
 
