@@ -1,6 +1,7 @@
 """Decode kernels on a GPU as fractions of the device's copy bandwidth, measured in the same run.
 
-For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x4864, 4864x896, 896x151936;
+For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x1152 (fused QKV), 896x4864,
+896x9728 (fused gate + up), 4864x896, 896x151936;
 bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points) and MXFP4;
 M = 1, 4, 16) and for decode attention (contexts 512, 2k, 8k, 32k; 14 query heads, 2 KV heads,
 head_dim 64, head-major cache), it reports the bytes a launch must move (weights with their scales,
@@ -21,11 +22,15 @@ shapes is measured as a reference line. Nothing here needs torch.
     python tools/bench_kernels.py --out results --reps 50 --quick
     python tools/bench_kernels.py --formats q4,mxfp4 --shapes 896x151936 --rows 1,4,16 \
         --no-attention --no-torch          # only those GEMV rows (and only their kernels built)
+    python tools/bench_kernels.py --formats bf16 --gemv v1,v2 --no-attention --no-torch
+        # dense [N, K] bf16 twice a shape: the split-K ep_gemv_nk (GENAI_EP_GEMV=v1) and the
+        # default plan (ep_gemv_nk_v2 where it applies): the A/B table of the dense GEMV v2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -34,7 +39,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -52,11 +57,21 @@ from ep.kernels import matmul as mm  # noqa: E402
 from ep.ops import matmul as ref  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-SHAPES = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936)]  # (K, N)
-LARGE = {(896, 4864), (4864, 896), (896, 151936)}
+SHAPES = [
+    (896, 896),
+    (896, 128),
+    (896, 1152),
+    (896, 4864),
+    (896, 9728),
+    (4864, 896),
+    (896, 151936),
+]  # (K, N)
+LARGE = {(896, 4864), (896, 9728), (4864, 896), (896, 151936)}
 ROWS = [1, 4, 16]
 FORMATS = ["bf16-nk", "bf16-kn", "q4", "mxfp4"]
 _FAMILY = {"bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "mxfp4": "mx4"}  # kernel-name part
+_ALIASES = {"bf16": "bf16-nk"}  # --formats bf16: the dense [N, K] (decode) orientation
+GEMV_CHOICES = ("v1", "v2")  # --gemv: the GENAI_EP_GEMV value a bf16-nk row runs under
 CONTEXTS = [512, 2048, 8192, 32768]
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 
@@ -262,7 +277,10 @@ def bench_gemv(
     reps: int,
     rng: np.random.Generator,
     ws: mm.MatmulWorkspace,
+    label: str = "",
 ) -> list[Row]:
+    """Rows of one format and shape; ``label`` (default ``fmt``) names them in the table."""
+    label = label or fmt
     s = dev.default_stream
     host = _weights(fmt, rng, K, N)
     wbytes = sum(a.nbytes for a in host.values())
@@ -312,9 +330,10 @@ def bench_gemv(
         if copies * wbytes < pool_bytes:
             note += f" pool {copies * wbytes / 1e6:.0f} MB (L2-resident in part)"
         out_rows.append(
-            Row("gemv", fmt, K, N, M, moved, timing, gbps, gbps / copy_bps, geometry, note.strip())
-        )
-        print(f"  {fmt:8s} K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
+            Row("gemv", label, K, N, M, moved, timing, gbps, gbps / copy_bps, geometry,
+                note.strip())
+        )  # fmt: skip
+        print(f"  {label:11s} K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
               f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}  {note}", flush=True)  # fmt: skip
     for weights in pool:
         for b in weights.values():
@@ -468,21 +487,38 @@ def bench_torch(
 # --- main ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _gemv_env(choice: str) -> Iterator[None]:
+    """``GENAI_EP_GEMV=choice`` while a row is planned and captured (no change when empty)."""
+    if not choice:
+        yield
+        return
+    before = os.environ.get(mm.GEMV_ENV)
+    os.environ[mm.GEMV_ENV] = choice
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(mm.GEMV_ENV, None)
+        else:
+            os.environ[mm.GEMV_ENV] = before
+
+
 def table(rows: list[Row], copy: dict[str, float]) -> str:
     lines = [
         f"device copy: {copy['bytes_per_s'] / 1e12:.2f} TB/s (read + written; "
         f"{copy['bytes'] / 2**20:.0f} MiB, median of the copies)",
-        f"{'kind':9s} {'format':8s} {'K':>6s} {'N':>7s} {'M':>3s} {'us':>9s} {'min..max us':>17s} "
+        f"{'kind':9s} {'format':11s} {'K':>6s} {'N':>7s} {'M':>3s} {'us':>9s} {'min..max us':>17s} "
         f"{'GB/s':>7s} {'ratio':>6s}",
     ]
     for r in rows:
         if r.timing is None:
-            lines.append(f"{r.kind:9s} {r.fmt:8s} {r.K:6d} {r.N:7d} {r.M:3d}  -- {r.note}")
+            lines.append(f"{r.kind:9s} {r.fmt:11s} {r.K:6d} {r.N:7d} {r.M:3d}  -- {r.note}")
             continue
         t = r.timing
         large = "*" if (r.K, r.N) in LARGE and r.kind != "attention" else " "
         lines.append(
-            f"{r.kind:9s} {r.fmt:8s} {r.K:6d} {r.N:7d} {r.M:3d} {t.median_ms * 1e3:9.2f} "
+            f"{r.kind:9s} {r.fmt:11s} {r.K:6d} {r.N:7d} {r.M:3d} {t.median_ms * 1e3:9.2f} "
             f"{t.min_ms * 1e3:8.2f}..{t.max_ms * 1e3:<8.2f} {r.gbps / 1e9:7.1f} {r.ratio:6.2f}"
             f"{large}"
         )
@@ -504,7 +540,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--shapes", default="", help="KxN,KxN,... instead of the model's")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run")
+    parser.add_argument(
+        "--gemv",
+        default="",
+        help="v1,v2: time each bf16-nk row under GENAI_EP_GEMV=v1 and =v2 (A/B of the dense "
+        "GEMV v2); default: the environment's choice only",
+    )
     args = parser.parse_args(argv)
+    gemv = [g for g in args.gemv.split(",") if g]
+    bad = [g for g in gemv if g not in GEMV_CHOICES]
+    if bad:
+        parser.error(f"--gemv {args.gemv!r}: expected a list of {', '.join(GEMV_CHOICES)}")
     shapes = SHAPES
     if args.shapes:
         shapes = [(int(k), int(n)) for k, n in (p.split("x") for p in args.shapes.split(","))]
@@ -514,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(dev)
     print("machine:", json.dumps(info, indent=1), flush=True)
     t0 = time.perf_counter()
-    formats = [f for f in args.formats.split(",") if f]
+    formats = [_ALIASES.get(f, f) for f in args.formats.split(",") if f]
     families = tuple(f"_{_FAMILY.get(f, f)}_" for f in formats)
     needed = [
         n
@@ -537,11 +583,16 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     for fmt in formats:
         for K, N in shapes:
-            try:
-                results += bench_gemv(dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws)
-            except Exception as exc:
-                traceback.print_exc()
-                results.append(Row("gemv", fmt, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))
+            for choice in gemv if fmt == "bf16-nk" and gemv else [""]:
+                label = f"{fmt}/{choice}" if choice else fmt
+                try:
+                    with _gemv_env(choice):
+                        results += bench_gemv(
+                            dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws, label
+                        )
+                except Exception as exc:
+                    traceback.print_exc()
+                    results.append(Row("gemv", label, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))
     if not args.no_attention:
         results += bench_attention(dev, copy_bps, pool, args.reps, rng)
     if not (args.no_torch or args.quick or dev.kind != "cuda"):

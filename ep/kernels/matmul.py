@@ -13,6 +13,14 @@ kernel                    what and launch geometry
                           one 16-byte load each per step of 32 k, 4 steps in flight. fp16/bf16:
                           the weights are the B operand of ``mma.sync m16n8k16`` (x rows padded
                           to 16 as A); fp32: SIMT FMAs and two shuffles.
+``ep_gemv_nk_v2_<dt>``    decode, dense W [N, K], fp16/bf16, the layer shapes (whole N <= 16384,
+                          K <= 6144, K % 8 == 0, 16-byte aligned W): a tile is 8 weight rows (the
+                          MMA's B operand, as in ``nk``), a block of kw = min(16, ceil(K/256))
+                          warps works on one tile, splitting its K steps between them and adding
+                          their partial sums through shared memory (no split over blocks, no
+                          workspace, no atomics); a persistent grid of ~16 warps an SM walks the
+                          tiles. Each lane keeps a ring of 8 16-byte weight loads in flight across
+                          rounds and tiles; x (16 rows) is staged once a block in shared memory.
 ``ep_gemv_kn_<dt>``       decode, dense W [K, N] (``transpose_b=0``, ONNX orientation): a warp
                           owns 64 output columns; lanes load 16-byte runs of 4 weight rows and
                           byte permutes pair the k values of one column for the MMA.
@@ -51,6 +59,16 @@ depends only on N, K, the format, the workspace size and the GPU's SM count, nev
 timing, so a row's result is bitwise the same at any M <= 16 and on every run. Use one workspace
 per stream. Without a workspace (``gy = 1``) results differ from those with one in rounding only.
 
+Dense GEMV v2 (``ep_gemv_nk_v2``): its K split (kw warps of a block, R rounds of 8 steps)
+depends on K only, so a row's result is bitwise the same at every M, every N and every grid, and a
+piece of a weight (``split_n``) gets the same arithmetic whenever the whole weight would take v2
+(the choice is made on the whole N). Set ``GENAI_EP_GEMV=v1`` in the environment to force
+``ep_gemv_nk`` everywhere (read at each plan: for A/B timing); ``v2`` or unset: v2 where the plan
+picks it. The plan falls back to ``ep_gemv_nk`` for fp32, unaligned weights, K % 8 != 0, K > 6144
+(x would not fit shared memory), whole N > 16384 (the vocabulary projection: ``nk`` already runs
+near the copy bandwidth there) or a device with less shared memory than v2 needs; the reason is in
+`MatmulPlan.reason`.
+
 Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
 rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
 (measured on the H200: about 0.6 of ``nk``'s bandwidth on the vocabulary projection). Both are
@@ -61,6 +79,7 @@ element-wise load path (slower, same results).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -81,6 +100,7 @@ from ep.ops.matmul import (
 )
 
 __all__ = [
+    "GEMV_ENV",
     "GEMV_MAX_ROWS",
     "MATMUL_KERNELS",
     "MatmulPlan",
@@ -88,8 +108,10 @@ __all__ = [
     "gemm",
     "gemm_mxfp4",
     "gemm_nbits",
+    "gemv_choice",
     "matmul_workspace",
     "plan_matmul",
+    "v2_geometry",
 ]
 
 GEMV_MAX_ROWS = 16  # the M rows of one m16n8k16 MMA
@@ -117,6 +139,15 @@ _STREAM_BLOCKS_PER_SM = 5
 # kernel took 47.8/48.1/65.0 us at M=1/4/16 against 40.7/42.5/74.2 for the split-K one; q4
 # streaming took 45.7/46.0/68.8 against 45.9/47.9/96.9.
 _STREAM_FORMATS: tuple[str, ...] = ("q4",)
+# Dense GEMV v2 (``ep_gemv_nk_v2_<dt>``, fp16/bf16; see the .cu file for the design).
+GEMV_ENV = "GENAI_EP_GEMV"  # "v1": always ep_gemv_nk; "v2" or unset: v2 where the plan picks it
+_V2_SLOTS = 8  # weight loads in flight a lane (epk::V2_SLOTS)
+_V2_MAX_WARPS = 16  # warps a block (__launch_bounds__(512, 1): <= 128 registers)
+_V2_WARPS_PER_SM = 16  # the persistent grid's target: 16 warps x 4 KB in flight an SM
+_V2_MAX_N = 16384  # whole N above this (the vocabulary projection) keeps ep_gemv_nk
+_V2_MAX_K = 6144  # 16 rows of x must fit shared memory: 16 x (6144 + 32) x 2 bytes = 193 KiB
+_SM_SHARED = 228 * 1024  # shared memory an H100/H200 SM holds (1 KiB of it reserved a block)
+_DEVICE_SHARED = 227 * 1024  # a block's opt-in maximum there (the plan's default)
 
 
 # --- source and registration -------------------------------------------------------------------
@@ -165,6 +196,16 @@ def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool) -> str:
         f"u32 flags) {{\n  {policy}\n"
         f"  epk::{body}<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, flags);"
         "\n}\n"
+    )
+
+
+def _v2_entry(name: str) -> str:
+    """Dense GEMV v2: the parameters of ``ep_gemv_nk`` (ws, counters, kw, gy unused)."""
+    return (
+        f'extern "C" __global__ void __launch_bounds__({32 * _V2_MAX_WARPS}, 1) {name}('
+        "T* y, const T* x, const T* w, float* ws, u32* counters, int M, int N, int K, int kw, "
+        "int gy, u32 flags) {\n  (void)ws; (void)counters; (void)kw; (void)gy;\n"
+        "  epk::nk_ring_gemv<T>(y, x, w, M, N, K, flags);\n}\n"
     )
 
 
@@ -359,6 +400,17 @@ def _register() -> dict[str, KernelSource]:
                         cpu=_twin(fmt, kind == "gemv"),
                     )
                 )
+            if fmt == "nk" and not fp32:
+                name = f"ep_gemv_nk_v2_{suffix}"
+                out[name] = register_kernel(
+                    KernelSource(
+                        name=name,
+                        source=f"{body}\ntypedef {ctype} T;\n{_v2_entry(name)}",
+                        params=tuple(p.replace("T*", f"{suffix}*") for p in _GEMV_PARAMS["nk"]),
+                        options=options,
+                        cpu=_twin("nk", True),
+                    )
+                )
             if fp32 or fmt not in ("q4", "mx4"):
                 continue
             name = f"ep_gemv_{fmt}_stream_{suffix}"
@@ -435,6 +487,7 @@ class MatmulPlan:
     kw: int  # GEMV: K slices over the warps of a block
     gy: int  # GEMV: K slices over blocks (needs a workspace when > 1)
     reason: str
+    shared_mem: int = 0  # dynamic shared memory a block (bytes; never depends on M)
 
 
 def _need(ok: bool, op: str, message: str) -> None:
@@ -468,6 +521,8 @@ def plan_matmul(
     workspace: MatmulWorkspace | None = None,
     sm_count: int = _DEFAULT_SMS,
     split_n: int | None = None,
+    aligned: bool = True,
+    max_shared: int = _DEVICE_SHARED,
 ) -> MatmulPlan:
     """The kernel and launch geometry for one call (M decides GEMV vs GEMM; nothing else does).
 
@@ -475,7 +530,9 @@ def plan_matmul(
     arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS`. ``split_n``: this call is
     N columns of a weight with ``split_n`` output columns (a streamed piece); the K split is
     chosen as a launch of all ``split_n`` columns would choose it, so every column gets the
-    arithmetic of the unsplit product.
+    arithmetic of the unsplit product. ``aligned``: the weight rows allow 16-byte loads (aligned
+    base, row bytes a multiple of 16); ``max_shared``: a block's shared-memory limit on the
+    device. Both only decide whether the dense GEMV v2 may run (``GENAI_EP_GEMV``).
     """
     found = _DTYPES.get(np.dtype(dtype))
     _need(
@@ -513,6 +570,12 @@ def plan_matmul(
         stream = _plan_stream(fmt, suffix, N, whole, K, sm_count)
         if stream is not None:
             return stream
+    v2_skipped = ""
+    if fmt == "nk" and not fp32:
+        v2 = _plan_v2(suffix, N, whole, K, sm_count, aligned, max_shared)
+        if isinstance(v2, MatmulPlan):
+            return v2
+        v2_skipped = f"; v2 not taken: {v2}"
     cols, groups, steps = _gemv_shape(fmt, fp32, whole, K, block_size)
     # As many K slices as keep one wave of blocks on the GPU (never more: a second wave is a
     # tail of mostly idle SMs) and at least one K step per slice.
@@ -550,7 +613,72 @@ def plan_matmul(
         kw,
         gy,
         f"M={M} <= {GEMV_MAX_ROWS}: GEMV, {groups} groups of {cols} columns x {kw * gy} K slices "
-        f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}",
+        f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}{v2_skipped}",
+    )
+
+
+def gemv_choice() -> Literal["v1", "v2"]:
+    """The dense fp16/bf16 GEMV asked for by ``GENAI_EP_GEMV`` (unset or empty: ``v2``)."""
+    value = os.environ.get(GEMV_ENV, "").strip().lower()
+    _need(
+        value in ("", "v1", "v2"),
+        "matmul",
+        f"{GEMV_ENV}={value!r} is not a GEMV choice; expected v1 (always ep_gemv_nk) or v2 "
+        "(the default: ep_gemv_nk_v2 where the plan picks it); unset it for the default",
+    )
+    return "v1" if value == "v1" else "v2"
+
+
+def v2_geometry(K: int) -> tuple[int, int]:
+    """(warps a block = K slices a tile, rounds of 8 steps a tile) of the dense GEMV v2.
+
+    A function of K alone: this is the whole arithmetic contract of a row (see the .cu file).
+    """
+    steps = -(-K // 32)
+    kw = max(1, min(_V2_MAX_WARPS, -(-steps // _V2_SLOTS)))
+    return kw, -(-steps // (_V2_SLOTS * kw))
+
+
+def _v2_shared(K: int, kw: int) -> int:
+    ldx = -(-K // 64) * 64 + 32  # elements a staged x row (see the .cu file: no bank conflicts)
+    return kw * 1024 + GEMV_MAX_ROWS * ldx * 2
+
+
+def _plan_v2(
+    suffix: str, N: int, whole: int, K: int, sm_count: int, aligned: bool, max_shared: int
+) -> MatmulPlan | str:
+    """The dense GEMV v2 plan, or why not (host-known facts only; never M)."""
+    if gemv_choice() == "v1":
+        return f"{GEMV_ENV}=v1"
+    if K % 8:
+        return f"K={K} is not a multiple of 8 (weight rows of whole 16-byte chunks)"
+    if not aligned:
+        return "the weight address is not 16-byte aligned"
+    if K > _V2_MAX_K:
+        return f"K={K} > {_V2_MAX_K}: x does not fit shared memory"
+    if whole > _V2_MAX_N:
+        return f"N={whole} > {_V2_MAX_N}: many columns, the one-wave split-K GEMV streams them"
+    kw, rounds = v2_geometry(K)
+    shared = _v2_shared(K, kw)
+    if shared > max_shared:
+        return f"needs {shared} bytes of shared memory a block; the device allows {max_shared}"
+    tiles = -(-N // 8)
+    per_sm = max(1, min(_V2_WARPS_PER_SM // kw, _SM_SHARED // (shared + 1024)))
+    cap = max(1, sm_count) * per_sm
+    # Persistent: at most one wave; as few blocks as give the same tiles a block (balanced).
+    blocks = tiles if tiles <= cap else -(-tiles // -(-tiles // cap))
+    _need(blocks <= 2**31 - 1, "matmul", f"N={N} needs {blocks} blocks; too many")
+    return MatmulPlan(
+        f"ep_gemv_nk_v2_{suffix}",
+        "gemv",
+        (blocks, 1, 1),
+        32 * kw,
+        kw,
+        1,
+        f"dense GEMV v2: {tiles} tiles of 8 rows over {blocks} blocks of {kw} warps (K={K}: "
+        f"{-(-K // 32)} steps of 32 k, {rounds} round(s) of {_V2_SLOTS} a warp), no K split "
+        f"over blocks, {shared} bytes of shared memory a block",
+        shared,
     )
 
 
@@ -690,7 +818,7 @@ def _launch(
         *head, flags = args
         n_weights = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}[plan.kernel.split("_")[2]]
         full = [*head[:n_weights], ws, cnt, *head[n_weights:], plan.kw, plan.gy, flags]
-        kernel.launch(plan.grid, plan.block, *full, stream=stream)
+        kernel.launch(plan.grid, plan.block, *full, stream=stream, shared_mem=plan.shared_mem)
     else:
         kernel.launch(plan.grid, plan.block, *args, stream=stream)
     return plan
@@ -732,7 +860,16 @@ def gemm(
     row = (K if transpose_b else N) * dtype.itemsize
     flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
     plan = plan_matmul(
-        fmt, dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev), split_n=split_n
+        fmt,
+        dtype,
+        M=M,
+        N=N,
+        K=K,
+        workspace=workspace,
+        sm_count=_sm_count(dev),
+        split_n=split_n,
+        aligned=(flags & _FLAG_W16) != 0,
+        max_shared=int(dev.limits["max_shared_mem"]),
     )
     return _launch(dev, plan, [out, x, w, M, N, K, flags], workspace, out, stream)
 
