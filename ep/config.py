@@ -46,6 +46,7 @@ NON_CONFIG_ENV = frozenset(
         "GENAI_EP_TRACE_HOOKS",
         "GENAI_EP_CACHE",
         "GENAI_EP_KERNEL_CACHE",
+        "GENAI_EP_PDL",  # the CUDA device: 0 launches without programmatic dependent launch
     }
 )
 
