@@ -524,14 +524,14 @@ def _gemv_env(choice: str) -> Iterator[None]:
         yield
         return
     before = os.environ.get(mm.GEMV_ENV)
-    rule = (mm._V2_DENSE_MIN_ELEMENTS, mm._V2_DENSE_MAX_ROWS)
+    rule = mm._V2_DENSE_MIN_ELEMENTS
     os.environ[mm.GEMV_ENV] = "v2" if choice == "v2-any" else choice
     if choice == "v2-any":
-        mm._V2_DENSE_MIN_ELEMENTS, mm._V2_DENSE_MAX_ROWS = 0, mm.GEMV_MAX_ROWS
+        mm._V2_DENSE_MIN_ELEMENTS = 0
     try:
         yield
     finally:
-        mm._V2_DENSE_MIN_ELEMENTS, mm._V2_DENSE_MAX_ROWS = rule
+        mm._V2_DENSE_MIN_ELEMENTS = rule
         if before is None:
             os.environ.pop(mm.GEMV_ENV, None)
         else:

@@ -77,13 +77,11 @@ earlier kernels: other rounding of the sums, same weights):
 * q4 (block >= 32) / MXFP4: the whole weight has a 16-row group for each of the GPU's warps (the
   vocabulary projection) and x for 16 rows fits `_V2_MAX_SHARED`. A row's arithmetic depends on
   neither M nor N nor the grid.
-* dense [N, K]: the whole weight has at least `_V2_DENSE_MIN_ELEMENTS` elements, M is at most
-  `_V2_DENSE_MAX_ROWS` (the H200 timings beside those constants: v2 wins only there), K % 8 == 0,
-  K <= 6144 and whole N <= 16384 (the vocabulary projection keeps ``nk``), within the device's
-  shared memory. Its K split (kw warps, R rounds of 8 steps) depends on K only, so a row's
-  result does not depend on M, N or the grid; but as the plan picks it by M, a row of such a
-  weight is rounded differently at M = 1 (v2) and M >= 2 (``nk``). ``GENAI_EP_GEMV=v1`` gives
-  bitwise batch invariance back.
+* dense [N, K]: the whole weight has at least `_V2_DENSE_MIN_ELEMENTS` elements (the H200
+  timings beside that constant: v2 wins only there), K % 8 == 0, K <= 6144 and whole N <= 16384
+  (the vocabulary projection keeps ``nk``), within the device's shared memory. Its K split (kw
+  warps, R rounds of 8 steps) depends on K only, and the choice never looks at M, so a row's
+  result does not depend on M, N or the grid (batch row identity).
 
 Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
 rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
@@ -182,10 +180,11 @@ _V2_MAX_K = 6144  # 16 rows of x must fit shared memory: 16 x (6144 + 32) x 2 by
 # v2 wins by 4-10% on the weights of >= 4.4M elements at M = 1; at M = 4 it wins on 4864x896
 # (5%), is even on 896x9728 and loses on 896x4864 (4%); up to 1.0M elements it loses at both M
 # (896x128 at M = 1, 0.3 us, is left out: one shape at the launch floor, lost again at M = 4).
-# So: whole N x K >= 4 Mi elements (between the largest loser, 1.0M, and the smallest winner)
-# and M == 1. M = 2, 3 are unmeasured; the vocabulary (N > _V2_MAX_N) keeps nk whatever M.
+# So: whole N x K >= 4 Mi elements (between the largest loser, 1.0M, and the smallest winner),
+# at every M: the choice must not depend on the batch, or a row of a batch would be rounded
+# differently from the same prompt run alone (DESIGN.md section 6, batch row identity); the M = 4
+# figures are even overall. The vocabulary (N > _V2_MAX_N) keeps nk.
 _V2_DENSE_MIN_ELEMENTS = 4 << 20
-_V2_DENSE_MAX_ROWS = 1
 
 
 # --- source and registration -------------------------------------------------------------------
@@ -751,7 +750,7 @@ def _plan_v2(
     Host-known facts only. The choice is made on the whole weight (``whole`` columns), so a
     piece of it (``split_n``) takes the whole weight's kernel, and both v2 kernels compute a
     row independently of N and the grid: a piece gets the unsplit product's bits. Only the dense
-    rule looks at M (the H200 timings above `_V2_DENSE_MIN_ELEMENTS`).
+    rule looks at the weight's size (the H200 timings above `_V2_DENSE_MIN_ELEMENTS`); none at M.
     """
     if gemv_version() == "v1":
         return f"{GEMV_ENV}=v1"
@@ -773,8 +772,6 @@ def _plan_v2(
                 f"N x K = {whole} x {K} < {_V2_DENSE_MIN_ELEMENTS} elements: the split-K GEMV "
                 "measured faster on such weights"
             )
-        if M > _V2_DENSE_MAX_ROWS:
-            return f"M={M} > {_V2_DENSE_MAX_ROWS}: the split-K GEMV measured as fast there"
         limit = max_shared
     else:
         if -(-whole // 16) < sms * _V2_WARPS:
