@@ -1,6 +1,7 @@
 """Decode kernels on a GPU as fractions of the device's copy bandwidth, measured in the same run.
 
-For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x4864, 4864x896, 896x151936;
+For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x1152 (fused QKV), 896x4864,
+896x9728 (fused gate + up), 4864x896, 896x151936;
 bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points) and MXFP4;
 M = 1, 4, 16) and for decode attention (contexts 512, 2k, 8k, 32k; 14 query heads, 2 KV heads,
 head_dim 64, head-major cache), it reports the bytes a launch must move (weights with their scales,
@@ -21,18 +22,21 @@ shapes is measured as a reference line. Nothing here needs torch.
     python tools/bench_kernels.py --out results --reps 50 --quick
     python tools/bench_kernels.py --formats q4,mxfp4 --shapes 896x151936 --rows 1,4,16 \
         --no-attention --no-torch          # only those GEMV rows (and only their kernels built)
-    python tools/bench_kernels.py --formats q4,mxfp4 --shapes 896x151936 --rows 1,4,16 \
-        --gemv v1,v2 --no-attention --no-torch   # A/B: the q4/mxfp4 rows once per GEMV version
+    python tools/bench_kernels.py --formats bf16,q4,mxfp4 --rows 1,4 --gemv v1,v2 \
+        --no-attention --no-torch   # A/B: the bf16-nk, q4 and mxfp4 rows once per GEMV version
 
-``--gemv v1,v2`` times the q4 and mxfp4 rows once with ``GENAI_EP_GEMV=v1`` (the split-K and
-streaming GEMVs) and once with ``v2`` (the default: ``ep_gemv_<fmt>_v2_<dt>`` where it applies);
-their rows are labelled ``q4/v1``, ``q4/v2``. Large shapes (no whole reference check) are checked
-on their first and last 1024 columns.
+``--gemv v1,v2`` times the dense [N, K] (``bf16``, the alias of ``bf16-nk``), q4 and mxfp4 rows
+once with ``GENAI_EP_GEMV=v1`` (the split-K and streaming GEMVs) and once with ``v2`` (the
+default: ``ep_gemv_<fmt>_v2_<dt>`` where the plan picks it); their rows are labelled
+``bf16-nk/v1``, ``q4/v2``, ... and the table names each row's kernel. ``v2-any`` also runs the
+dense v2 past its measured rule (every weight and M it can run: for re-measuring the rule).
+Large shapes (no whole reference check) are checked on their first and last 1024 columns.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -41,7 +45,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -59,11 +63,22 @@ from ep.kernels import matmul as mm  # noqa: E402
 from ep.ops import matmul as ref  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-SHAPES = [(896, 896), (896, 128), (896, 4864), (4864, 896), (896, 151936)]  # (K, N)
-LARGE = {(896, 4864), (4864, 896), (896, 151936)}
+SHAPES = [
+    (896, 896),
+    (896, 128),
+    (896, 1152),
+    (896, 4864),
+    (896, 9728),
+    (4864, 896),
+    (896, 151936),
+]  # (K, N)
+LARGE = {(896, 4864), (896, 9728), (4864, 896), (896, 151936)}
 ROWS = [1, 4, 16]
 FORMATS = ["bf16-nk", "bf16-kn", "q4", "mxfp4"]
 _FAMILY = {"bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "mxfp4": "mx4"}  # kernel-name part
+_ALIASES = {"bf16": "bf16-nk"}  # --formats bf16: the dense [N, K] (decode) orientation
+GEMV_CHOICES = ("v1", "v2", "v2-any")  # --gemv: the GEMV versions a row runs under
+_GEMV_FORMATS = ("bf16-nk", "q4", "mxfp4")  # the formats with a v2 GEMV (--gemv applies to them)
 CONTEXTS = [512, 2048, 8192, 32768]
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 
@@ -344,7 +359,7 @@ def bench_gemv(
                 "gemv", label, K, N, M, moved, timing, gbps, gbps / copy_bps, geometry, note.strip()
             )
         )
-        print(f"  {label:8s} K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
+        print(f"  {label:14s} K={K:5d} N={N:6d} M={M:2d}  {timing.median_ms * 1e3:8.2f} us  "
               f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}  {note}", flush=True)  # fmt: skip
     for weights in pool:
         for b in weights.values():
@@ -498,21 +513,46 @@ def bench_torch(
 # --- main ---------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _gemv_env(choice: str) -> Iterator[None]:
+    """``GENAI_EP_GEMV=choice`` while a row is planned and captured (no change when empty).
+
+    ``v2-any``: ``v2``, with the dense v2's measured rule (weight size, M) opened to every
+    weight and M it can run, so that the rule itself can be re-measured.
+    """
+    if not choice:
+        yield
+        return
+    before = os.environ.get(mm.GEMV_ENV)
+    rule = mm._V2_DENSE_MIN_ELEMENTS
+    os.environ[mm.GEMV_ENV] = "v2" if choice == "v2-any" else choice
+    if choice == "v2-any":
+        mm._V2_DENSE_MIN_ELEMENTS = 0
+    try:
+        yield
+    finally:
+        mm._V2_DENSE_MIN_ELEMENTS = rule
+        if before is None:
+            os.environ.pop(mm.GEMV_ENV, None)
+        else:
+            os.environ[mm.GEMV_ENV] = before
+
+
 def table(rows: list[Row], copy: dict[str, float]) -> str:
     lines = [
         f"device copy: {copy['bytes_per_s'] / 1e12:.2f} TB/s (read + written; "
         f"{copy['bytes'] / 2**20:.0f} MiB, median of the copies)",
-        f"{'kind':9s} {'format':8s} {'K':>6s} {'N':>7s} {'M':>3s} {'us':>9s} {'min..max us':>17s} "
+        f"{'kind':9s} {'format':14s} {'K':>6s} {'N':>7s} {'M':>3s} {'us':>9s} {'min..max us':>17s} "
         f"{'GB/s':>7s} {'ratio':>6s}",
     ]
     for r in rows:
         if r.timing is None:
-            lines.append(f"{r.kind:9s} {r.fmt:8s} {r.K:6d} {r.N:7d} {r.M:3d}  -- {r.note}")
+            lines.append(f"{r.kind:9s} {r.fmt:14s} {r.K:6d} {r.N:7d} {r.M:3d}  -- {r.note}")
             continue
         t = r.timing
         large = "*" if (r.K, r.N) in LARGE and r.kind != "attention" else " "
         lines.append(
-            f"{r.kind:9s} {r.fmt:8s} {r.K:6d} {r.N:7d} {r.M:3d} {t.median_ms * 1e3:9.2f} "
+            f"{r.kind:9s} {r.fmt:14s} {r.K:6d} {r.N:7d} {r.M:3d} {t.median_ms * 1e3:9.2f} "
             f"{t.min_ms * 1e3:8.2f}..{t.max_ms * 1e3:<8.2f} {r.gbps / 1e9:7.1f} {r.ratio:6.2f}"
             f"{large} {r.kernel.split(' ')[0]}"
         )
@@ -537,10 +577,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--gemv",
         default="",
-        help="GEMV versions for the q4/mxfp4 rows, e.g. v1,v2 (an A/B in one run); default: "
-        "the environment's GENAI_EP_GEMV (v2 when unset)",
+        help="GEMV versions for the bf16-nk/q4/mxfp4 rows, e.g. v1,v2 (an A/B in one run; "
+        "v2-any: the dense v2 past its rule too); default: the environment's GENAI_EP_GEMV (v2 "
+        "when unset)",
     )
     args = parser.parse_args(argv)
+    gemv = [g.strip() for g in args.gemv.split(",") if g.strip()]
+    bad = [g for g in gemv if g not in GEMV_CHOICES]
+    if bad:
+        parser.error(f"--gemv {args.gemv!r}: expected a list of {', '.join(GEMV_CHOICES)}")
     shapes = SHAPES
     if args.shapes:
         shapes = [(int(k), int(n)) for k, n in (p.split("x") for p in args.shapes.split(","))]
@@ -550,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info(dev)
     print("machine:", json.dumps(info, indent=1), flush=True)
     t0 = time.perf_counter()
-    formats = [f for f in args.formats.split(",") if f]
+    formats = [_ALIASES.get(f, f) for f in args.formats.split(",") if f]
     families = tuple(f"_{_FAMILY.get(f, f)}_" for f in formats)
     needed = [
         n
@@ -570,30 +615,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.rows:
         rows_m = [int(m) for m in args.rows.split(",")]
     ws = mm.matmul_workspace(dev, stream=dev.default_stream)
-    versions = [v.strip() for v in args.gemv.split(",") if v.strip()]
-    for v in versions:
-        if v not in ("v1", "v2"):
-            parser.error(f"--gemv {args.gemv!r}: expected a list of v1 and v2")
-    original = os.environ.get(mm.GEMV_ENV)
     results: list[Row] = []
     for fmt in formats:
-        passes = versions if versions and fmt in ("q4", "mxfp4") else [""]
-        for version in passes:
-            if version:
-                os.environ[mm.GEMV_ENV] = version
-            label = f"{fmt}/{version}" if version else fmt
-            for K, N in shapes:
+        for K, N in shapes:
+            for choice in gemv if fmt in _GEMV_FORMATS and gemv else [""]:
+                label = f"{fmt}/{choice}" if choice else fmt
                 try:
-                    results += bench_gemv(
-                        dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws, label
-                    )
+                    with _gemv_env(choice):
+                        results += bench_gemv(
+                            dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws, label
+                        )
                 except Exception as exc:
                     traceback.print_exc()
                     results.append(Row("gemv", label, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))
-            if original is None:
-                os.environ.pop(mm.GEMV_ENV, None)
-            else:
-                os.environ[mm.GEMV_ENV] = original
     if not args.no_attention:
         results += bench_attention(dev, copy_bps, pool, args.reps, rng)
     if not (args.no_torch or args.quick or dev.kind != "cuda"):

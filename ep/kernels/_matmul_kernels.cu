@@ -1640,9 +1640,165 @@ __device__ __forceinline__ Mx4Stream<T> mx4_stream(const u8* b, const u8* scales
   return p;
 }
 
-}  // namespace epk
+// --- dense GEMV v2: W [N, K] fp16/bf16, one pass over each row, no split over blocks -----------
+//
+// Why: the layer projections (N 896..9728, K 896..4864) are latency bound in ep_gemv_nk: a block
+// loads its 8 rows' K slice once (3.5 steps a warp), waits, reduces, exits, and the next block
+// pays the whole DRAM latency again; past 4 steps a warp it also splits K over blocks (workspace,
+// atomics, fences). Here every warp keeps a ring of 8 weight loads (16 bytes a lane each) in
+// flight all the time, across its tiles, so the latency is paid about once per launch.
+// Measured on the H200 it wins only on weights of >= ~4M elements at M = 1 (4-10%); the plan
+// runs it there only (matmul.py: _V2_DENSE_MIN_ELEMENTS, with the timings).
+//
+// Geometry (the plan, from K, N and the SM count only): a tile is 8 weight rows (the n8 of one
+// m16n8k16 MMA; the weights are its B operand, x rows 0..15 its A operand, as in row_gemv). The
+// block is kw = min(16, ceil(S / 8)) warps, S = ceil(K / 32) steps of 32 k; all kw warps work on
+// one tile at a time, warp w taking the steps (r * 8 + u) * kw + w of round r, slot u (so at each
+// slot the block reads kw * 64 contiguous bytes of each of its 8 rows). R = ceil(S / (8 kw))
+// rounds a tile (1 for K <= 4096, 2 for K = 4864). Blocks walk tiles blockIdx.x, + gridDim.x, ...
+// (a persistent grid of about 16 warps an SM). Slot u of the ring is refilled with the next
+// element's (the next round's, or the next tile's first round's) load right after its MMAs,
+// so a warp has ~8 x 512 = 4 KB in flight and an SM ~64 KB (16 warps), with no gap between
+// tiles. At the end of a tile each warp writes its 16 x 8 partial sums to shared memory
+// (double-buffered by tile parity: one __syncthreads a tile), and the block adds the kw partials
+// in warp order and writes y.
+//
+// x (M x K, at most 16 x 6144) is staged once per block in shared memory, rows padded to
+// ldx = roundup(K, 64) + 32 elements: a quarter warp reads rows g, g+1 at the same 64 bytes, and
+// ldx * 2 = 64 (mod 128) bytes puts the two rows in opposite halves of the 32 banks (no
+// conflicts). Shared memory: 16 x ldx x 2 bytes for x (always 16 rows: the footprint and the
+// occupancy do not depend on M) + kw KB of partial sums; set by the plan.
+//
+// Per 16 bytes of weights (8 k of one row, one lane, one step): 1 global load (ld.global.nc,
+// L1::no_allocate, predicated in PTX), 1 shared load of x row g (+1 of row g + 8 when M > 8),
+// 2 mma.sync (each a warp instruction covering 512 bytes of weights), ~4 integer/predicate ops;
+// no converts, no shuffles (the block reduction is 4 shared stores a lane and kw - 1 adds an
+// output, once a tile).
+//
+// Bitwise contract: a row's result is sum over w = 0..kw-1 (in order) of (c0 + c1) + (c2 + c3) of
+// warp w, c0..c3 its four MMA chains (even slots' first and second MMA, odd slots' first and
+// second), each in step order; an empty slot adds exact zeros. kw and R depend on K only: not on M (rows of an MMA are independent; rows >= M are zeros), not on N, the tile's
+// block or the grid; no atomics. Needs K % 8 == 0 and 16-byte aligned weights (the plan checks;
+// else ep_gemv_nk); x may have any alignment (staged element-wise then).
 
-namespace epk {
+constexpr int V2_SLOTS = 8;  // weight loads in flight a lane
+
+// 16 bytes at p when ok, else zeros; the load is predicated in PTX (no branch), volatile so the
+// compiler keeps the ring's program order (issue right after the slot's MMAs).
+__device__ __forceinline__ uint4 ld_stream_if(const void* p, bool ok) {
+  uint4 v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
+      "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
+      "@q ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
+      : "=&r"(v.x), "=&r"(v.y), "=&r"(v.z), "=&r"(v.w)
+      : "l"(p), "r"((int)ok));
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void nk_ring_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                             const T* __restrict__ w, int M, int N, int K,
+                                             u32 flags) {
+  extern __shared__ __align__(16) unsigned char epk_v2_smem[];
+  const int kw = blockDim.x >> 5;
+  float* red = reinterpret_cast<float*>(epk_v2_smem);        // [2][kw][16][8]
+  u16* xs = reinterpret_cast<u16*>(epk_v2_smem + kw * 1024);  // [16][ldx]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int S = (K + 31) >> 5;
+  const int R = (S + V2_SLOTS * kw - 1) / (V2_SLOTS * kw);
+  const int tiles = (N + 7) >> 3;
+  const int ldx = ((K + 63) & ~63) + 32;
+  const int G = gridDim.x;
+  if ((int)blockIdx.x >= tiles) return;  // the whole block: before any barrier
+  const int E = ((tiles - 1 - (int)blockIdx.x) / G + 1) * R;  // (tile, round) elements
+
+  // The first element's weights go out before x is staged: their latency covers the staging.
+  uint4 ring[V2_SLOTS];
+  {
+    const int n = (int)blockIdx.x * 8 + g;
+    const T* row = w + (size_t)(n < N ? n : N - 1) * (size_t)K;
+#pragma unroll
+    for (int u = 0; u < V2_SLOTS; ++u) {
+      const int kk = ((u * kw + warp) << 5) + (t << 3);
+      ring[u] = ld_stream_if(row + kk, n < N && kk < K);
+    }
+  }
+  if ((flags & EPK_X16) != 0) {
+    const int cpr = K >> 3;  // 16-byte chunks a row (K % 8 == 0 here)
+    for (int c = threadIdx.x; c < M * cpr; c += blockDim.x) {
+      const int m = c / cpr, kc = c - m * cpr;
+      const uint4 v = ld_cached(x + (size_t)m * K + (kc << 3));
+      *reinterpret_cast<uint4*>(xs + m * ldx + (kc << 3)) = v;
+    }
+  } else {
+    const u16* xb = reinterpret_cast<const u16*>(x);
+    for (int c = threadIdx.x; c < M * K; c += blockDim.x) {
+      const int m = c / K;
+      xs[m * ldx + (c - m * K)] = xb[c];
+    }
+  }
+  __syncthreads();
+
+  const bool a_ok = g < M, b_ok = g + 8 < M;  // x rows g and g + 8 exist (else zeros)
+  const u16* xa = xs + g * ldx;
+  const u16* xb = xs + (g + 8) * ldx;
+  // Four independent MMA chains (slot parity x first/second MMA of a step): a chain of 4 MMAs an
+  // element instead of 16, so each slot's MMAs, and its refill, come sooner after its data.
+  float c[4][4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+  int tile = blockIdx.x, round = 0, par = 0;
+  for (int e = 0; e < E; ++e) {
+    int nround = round + 1, ntile = tile;
+    if (nround == R) {
+      nround = 0;
+      ntile += G;
+    }
+    const int nn = ntile * 8 + g;
+    const bool nrow_ok = e + 1 < E && nn < N;
+    const T* nrow = w + (size_t)(nn < N ? nn : N - 1) * (size_t)K;
+#pragma unroll
+    for (int u = 0; u < V2_SLOTS; ++u) {
+      // No branch on st < S: a slot past K holds zero weights and zero x (the MMAs add exact
+      // zeros), and branch-free slots let the compiler issue each refill right after its MMAs.
+      const int kk = (((round * V2_SLOTS + u) * kw + warp) << 5) + (t << 3);
+      const bool kin = kk < K;
+      const uint4 a = (a_ok && kin) ? *reinterpret_cast<const uint4*>(xa + kk) : zero4();
+      const uint4 b = (b_ok && kin) ? *reinterpret_cast<const uint4*>(xb + kk) : zero4();
+      mma16816<T>(c[(u & 1) * 2], a.x, b.x, a.y, b.y, ring[u].x, ring[u].y);
+      mma16816<T>(c[(u & 1) * 2 + 1], a.z, b.z, a.w, b.w, ring[u].z, ring[u].w);
+      const int nk = (((nround * V2_SLOTS + u) * kw + warp) << 5) + (t << 3);
+      ring[u] = ld_stream_if(nrow + nk, nrow_ok && nk < K);
+    }
+    if (round == R - 1) {  // the tile is done: add the kw warps' partial sums in warp order
+      float p[4];
+#pragma unroll
+      for (int h = 0; h < 4; ++h) p[h] = (c[0][h] + c[1][h]) + (c[2][h] + c[3][h]);
+      float* r = red + (par * kw + warp) * 128;
+      r[g * 8 + 2 * t] = p[0];
+      r[g * 8 + 2 * t + 1] = p[1];
+      r[(g + 8) * 8 + 2 * t] = p[2];
+      r[(g + 8) * 8 + 2 * t + 1] = p[3];
+      __syncthreads();
+      const float* rr = red + par * kw * 128;
+      for (int i = threadIdx.x; i < M * 8; i += blockDim.x) {
+        const int n = tile * 8 + (i & 7);
+        if (n < N) {
+          float s = rr[i];
+          for (int q = 1; q < kw; ++q) s += rr[q * 128 + i];
+          y[(size_t)(i >> 3) * N + n] = Elem<T>::from_f(s);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.0f;
+      par ^= 1;  // the next tile writes the other buffer; this one is rewritten after a barrier
+    }
+    tile = ntile;
+    round = nround;
+  }
+}
 
 // --- v2 decode GEMV: 4-bit (block >= 32) and MXFP4 over many output columns (fp16/bf16) --------
 //

@@ -13,6 +13,14 @@ kernel                    what and launch geometry
                           one 16-byte load each per step of 32 k, 4 steps in flight. fp16/bf16:
                           the weights are the B operand of ``mma.sync m16n8k16`` (x rows padded
                           to 16 as A); fp32: SIMT FMAs and two shuffles.
+``ep_gemv_nk_v2_<dt>``    decode, dense W [N, K], fp16/bf16, the default for the large layer
+                          weights at M = 1 (see below): a tile is 8 weight rows (the MMA's B
+                          operand, as in ``nk``), a block of kw = min(16, ceil(K/256)) warps works
+                          on one tile, splitting its K steps between them and adding their
+                          partial sums through shared memory (no split over blocks, no
+                          workspace, no atomics); a persistent grid of ~16 warps an SM walks the
+                          tiles. Each lane keeps a ring of 8 16-byte weight loads in flight across
+                          rounds and tiles; x (16 rows) is staged once a block in shared memory.
 ``ep_gemv_kn_<dt>``       decode, dense W [K, N] (``transpose_b=0``, ONNX orientation): a warp
                           owns 64 output columns; lanes load 16-byte runs of 4 weight rows and
                           byte permutes pair the k values of one column for the MMA.
@@ -59,12 +67,21 @@ depends only on N, K, the format, the workspace size and the GPU's SM count, nev
 timing, so a row's result is bitwise the same at any M <= 16 and on every run. Use one workspace
 per stream. Without a workspace (``gy = 1``) results differ from those with one in rounding only.
 
-``GENAI_EP_GEMV=v1`` (`GEMV_ENV`, read at every plan) plans only the earlier GEMVs (split-K and
-``_stream_``), for A/B runs (``tools/bench_kernels.py --gemv v1,v2`` times both in one run);
-``v2``, the default, plans ``_v2_`` where it applies (fp16/bf16, q4 block >= 32 or MXFP4, 16-byte
-aligned weights, x for 16 rows within `_V2_MAX_SHARED`, the whole weight at least one 16-row group
-for each of the GPU's warps) and the earlier kernels elsewhere. Unaligned weights fall back to the
-earlier kernels (other rounding of the sums, same dequantized weights).
+The v2 GEMVs and ``GENAI_EP_GEMV`` (`GEMV_ENV`, read at every plan: one switch for every
+format). ``v1`` plans only the earlier GEMVs (split-K ``ep_gemv_<fmt>`` and ``_stream_``), for A/B
+runs (``tools/bench_kernels.py --gemv v1,v2`` times both in one run); ``v2`` or unset plans a
+``_v2_`` kernel where the plan picks it, the earlier kernels elsewhere (`MatmulPlan.reason` says
+why v2 was not taken). fp16/bf16 only, 16-byte aligned weights only (unaligned weights take the
+earlier kernels: other rounding of the sums, same weights):
+
+* q4 (block >= 32) / MXFP4: the whole weight has a 16-row group for each of the GPU's warps (the
+  vocabulary projection) and x for 16 rows fits `_V2_MAX_SHARED`. A row's arithmetic depends on
+  neither M nor N nor the grid.
+* dense [N, K]: the whole weight has at least `_V2_DENSE_MIN_ELEMENTS` elements (the H200
+  timings beside that constant: v2 wins only there), K % 8 == 0, K <= 6144 and whole N <= 16384
+  (the vocabulary projection keeps ``nk``), within the device's shared memory. Its K split (kw
+  warps, R rounds of 8 steps) depends on K only, and the choice never looks at M, so a row's
+  result does not depend on M, N or the grid (batch row identity).
 
 Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
 rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
@@ -78,7 +95,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from typing import Literal
 
@@ -108,6 +125,7 @@ __all__ = [
     "gemv_version",
     "matmul_workspace",
     "plan_matmul",
+    "v2_geometry",
     "v2_shared_bytes",
 ]
 
@@ -136,13 +154,37 @@ _STREAM_BLOCKS_PER_SM = 5
 # kernel took 47.8/48.1/65.0 us at M=1/4/16 against 40.7/42.5/74.2 for the split-K one; q4
 # streaming took 45.7/46.0/68.8 against 45.9/47.9/96.9.
 _STREAM_FORMATS: tuple[str, ...] = ("q4",)
-# The v2 q4/mx4 GEMVs (``ep_gemv_<fmt>_v2_<dt>``): one persistent block of 16 warps an SM, x
-# staged in shared memory for 16 rows (16 x (256 x steps + 64) bytes, steps = ceil(row bytes/64)).
-_V2_WARPS = 16
-_V2_MAX_SHARED = 160 * 1024  # K up to ~4992 for 4-bit (q4 block 32 or MXFP4)
+# The v2 GEMVs (``ep_gemv_<fmt>_v2_<dt>``, fp16/bf16; the .cu file has their designs).
 # GENAI_EP_GEMV=v1 plans the earlier kernels only (split-K and streaming GEMVs), for A/B runs.
 GEMV_ENV = "GENAI_EP_GEMV"
 _GEMV_VERSIONS = ("v1", "v2")
+_V2_WARPS = 16  # warps a block at most (__launch_bounds__(512, 1): <= 128 registers a thread)
+_SM_SHARED = 228 * 1024  # shared memory an H100/H200 SM holds (1 KiB of it reserved a block)
+_DEVICE_SHARED = 227 * 1024  # a block's opt-in maximum there (the plan's default)
+# q4/mx4 v2: one persistent block of 16 warps an SM, x staged in shared memory for 16 rows
+# (16 x (256 x steps + 64) bytes, steps = ceil(row bytes / 64)).
+_V2_MAX_SHARED = 160 * 1024  # K up to ~4992 for 4-bit (q4 block 32 or MXFP4)
+# Dense v2 (``ep_gemv_nk_v2``): blocks of kw <= 16 warps on 8-row tiles, a persistent grid.
+_V2_SLOTS = 8  # weight loads in flight a lane (epk::V2_SLOTS)
+_V2_WARPS_PER_SM = 16  # the persistent grid's target: 16 warps x 4 KB in flight an SM
+_V2_MAX_N = 16384  # whole N above this (the vocabulary projection) keeps ep_gemv_nk
+_V2_MAX_K = 6144  # 16 rows of x must fit shared memory: 16 x (6144 + 32) x 2 bytes = 193 KiB
+# Where the dense v2 runs: measured on the H200 (bf16, us a GEMV, graph replays, v1 / v2):
+#   K x N         M=1          M=4          weight elements
+#   896x128       2.55 / 2.27  2.60 / 2.93    115k
+#   896x896       3.23 / 3.30  3.30 / 3.92    803k
+#   896x1152      3.44 / 4.12  3.49 / 4.66    1.0M
+#   896x4864      6.82 / 6.52  6.97 / 7.26    4.4M
+#   4864x896      7.26 / 6.56  7.61 / 7.24    4.4M
+#   896x9728      9.77 / 9.03  9.90 / 9.87    8.7M
+# v2 wins by 4-10% on the weights of >= 4.4M elements at M = 1; at M = 4 it wins on 4864x896
+# (5%), is even on 896x9728 and loses on 896x4864 (4%); up to 1.0M elements it loses at both M
+# (896x128 at M = 1, 0.3 us, is left out: one shape at the launch floor, lost again at M = 4).
+# So: whole N x K >= 4 Mi elements (between the largest loser, 1.0M, and the smallest winner),
+# at every M: the choice must not depend on the batch, or a row of a batch would be rounded
+# differently from the same prompt run alone (DESIGN.md section 6, batch row identity); the M = 4
+# figures are even overall. The vocabulary (N > _V2_MAX_N) keeps nk.
+_V2_DENSE_MIN_ELEMENTS = 4 << 20
 
 
 # --- source and registration -------------------------------------------------------------------
@@ -216,9 +258,13 @@ def _stream_entry(fmt: str, name: str) -> str:
 
 
 def _v2_entry(fmt: str, name: str) -> str:
-    """The v2 GEMV (fp16/bf16 q4/mx4): the parameters of ``ep_gemv_<fmt>``, kw/gy unused."""
+    """The v2 GEMV (fp16/bf16 nk/q4/mx4): the parameters of ``ep_gemv_<fmt>``, kw/gy unused."""
     head = f'extern "C" __global__ void __launch_bounds__({32 * _V2_WARPS}, 1) {name}('
-    if fmt == "q4":
+    if fmt == "nk":
+        weights = "const T* w"
+        sizes = "int M, int N, int K"
+        body = "  epk::nk_ring_gemv<T>(y, x, w, M, N, K, flags);\n"
+    elif fmt == "q4":
         weights = "const u8* b, const T* scales, const u8* zp"
         sizes = _Q4_SIZES
         call = (
@@ -409,9 +455,13 @@ def _register() -> dict[str, KernelSource]:
                         cpu=_twin(fmt, kind == "gemv"),
                     )
                 )
-            if fp32 or fmt not in ("q4", "mx4"):
+            if fp32 or fmt == "kn":
                 continue
-            for family, make in (("stream", _stream_entry), ("v2", _v2_entry)):
+            # dense [N, K]: v2; q4/mx4: streaming and v2
+            families: list[tuple[str, Callable[[str, str], str]]] = [("v2", _v2_entry)]
+            if fmt != "nk":
+                families.insert(0, ("stream", _stream_entry))
+            for family, make in families:
                 name = f"ep_gemv_{fmt}_{family}_{suffix}"
                 out[name] = register_kernel(
                     KernelSource(
@@ -486,7 +536,7 @@ class MatmulPlan:
     kw: int  # GEMV: K slices over the warps of a block
     gy: int  # GEMV: K slices over blocks (needs a workspace when > 1)
     reason: str
-    shared: int = 0  # dynamic shared memory bytes of a block (the v2 GEMVs' staged x)
+    shared: int = 0  # dynamic shared memory bytes of a block (the v2 GEMVs; never depends on M)
 
 
 def _need(ok: bool, op: str, message: str) -> None:
@@ -494,15 +544,18 @@ def _need(ok: bool, op: str, message: str) -> None:
         raise KernelArgumentError(f"{op}: {message}")
 
 
-def gemv_version() -> str:
-    """``v2`` (default) or ``v1`` from `GEMV_ENV`: v1 never plans the ``_v2`` GEMVs."""
-    value = os.environ.get(GEMV_ENV, "v2").strip().lower() or "v2"
+def gemv_version() -> Literal["v1", "v2"]:
+    """The GEMVs `GEMV_ENV` asks for, for every format: ``v1`` never plans a ``_v2_`` kernel;
+    ``v2`` (also when unset or empty) plans one where `_plan_v2` picks it."""
+    value = os.environ.get(GEMV_ENV, "").strip().lower() or "v2"
     _need(
         value in _GEMV_VERSIONS,
         "matmul",
-        f"{GEMV_ENV}={value!r}; expected v1 (the split-K and streaming GEMVs) or v2 (the default)",
+        f"{GEMV_ENV}={value!r} is not a GEMV version; expected v1 (only the split-K and "
+        "streaming GEMVs) or v2 (the default: the v2 GEMVs where the plan picks them); unset it "
+        "for the default",
     )
-    return value
+    return "v1" if value == "v1" else "v2"
 
 
 def _gemv_shape(fmt: Format, fp32: bool, N: int, K: int, block_size: int) -> tuple[int, int, int]:
@@ -532,15 +585,19 @@ def plan_matmul(
     sm_count: int = _DEFAULT_SMS,
     split_n: int | None = None,
     aligned: bool = True,
+    max_shared: int = _DEVICE_SHARED,
 ) -> MatmulPlan:
-    """The kernel and launch geometry for one call (M decides GEMV vs GEMM; nothing else does).
+    """The kernel and launch geometry for one call.
 
-    The GEMV's K split depends on N, K, the format, the workspace and ``sm_count`` only, so the
-    arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS`. ``split_n``: this call is
-    N columns of a weight with ``split_n`` output columns (a streamed piece); the K split is
-    chosen as a launch of all ``split_n`` columns would choose it, so every column gets the
-    arithmetic of the unsplit product. ``aligned``: the q4/mx4 weight bytes allow 16-byte loads
-    (else the v2 GEMVs are not planned). `GEMV_ENV` ``=v1`` plans the earlier GEMVs only.
+    M decides GEMV vs GEMM and, for dense weights, whether the v2 GEMV runs (`_plan_v2`); nothing
+    else looks at M. The GEMV's K split depends on N, K, the format, the workspace and
+    ``sm_count`` only, so the arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS` within
+    one kernel. ``split_n``: this call is N columns of a weight with ``split_n`` output columns (a
+    streamed piece); the kernel and the K split are chosen as a launch of all ``split_n`` columns
+    would choose them, so every column gets the arithmetic of the unsplit product. ``aligned``:
+    the weight rows allow 16-byte loads (aligned base, row bytes a multiple of 16);
+    ``max_shared``: a block's shared-memory limit on the device. Both only decide whether a v2
+    GEMV may run; `GEMV_ENV` ``=v1`` plans the earlier GEMVs only.
     """
     found = _DTYPES.get(np.dtype(dtype))
     _need(
@@ -574,14 +631,16 @@ def plan_matmul(
             "whole weight this call is a piece of",
         )  # fmt: skip
         whole = int(split_n)
-    if fmt in ("q4", "mx4") and not fp32 and aligned and gemv_version() == "v2":
-        v2 = _plan_v2(fmt, suffix, N, whole, K, block_size, sm_count)
-        if v2 is not None:
+    v2_skipped = ""
+    if fmt != "kn" and not fp32:
+        v2 = _plan_v2(fmt, suffix, M, N, whole, K, block_size, sm_count, aligned, max_shared)
+        if isinstance(v2, MatmulPlan):
             return v2
+        v2_skipped = f"; v2 not taken: {v2}"
     if fmt in _STREAM_FORMATS and not fp32:
         stream = _plan_stream(fmt, suffix, N, whole, K, sm_count)
         if stream is not None:
-            return stream
+            return replace(stream, reason=stream.reason + v2_skipped)
     cols, groups, steps = _gemv_shape(fmt, fp32, whole, K, block_size)
     # As many K slices as keep one wave of blocks on the GPU (never more: a second wave is a
     # tail of mostly idle SMs) and at least one K step per slice.
@@ -619,7 +678,7 @@ def plan_matmul(
         kw,
         gy,
         f"M={M} <= {GEMV_MAX_ROWS}: GEMV, {groups} groups of {cols} columns x {kw * gy} K slices "
-        f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}",
+        f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}{v2_skipped}",
     )
 
 
@@ -649,38 +708,112 @@ def _plan_stream(
     )
 
 
+def v2_geometry(K: int) -> tuple[int, int]:
+    """(warps a block = K slices a tile, rounds of 8 steps a tile) of the dense GEMV v2.
+
+    A function of K alone: this is the whole arithmetic contract of a row (see the .cu file).
+    """
+    steps = -(-K // 32)
+    kw = max(1, min(_V2_WARPS, -(-steps // _V2_SLOTS)))
+    return kw, -(-steps // (_V2_SLOTS * kw))
+
+
 def v2_shared_bytes(fmt: Format, K: int, block_size: int = 32) -> int:
-    """Shared memory of a v2 GEMV block: x for 16 rows, 256 bytes a step of 64 weight bytes."""
+    """Dynamic shared memory of a v2 GEMV block (never depends on M: x is staged for 16 rows).
+
+    q4/mx4: 16 rows of 256 bytes a step of 64 weight bytes, + 64 bytes a row. nk: 16 rows of
+    ``roundup(K, 64) + 32`` elements (no bank conflicts; see the .cu file) and 1 KiB of partial
+    sums a warp.
+    """
+    if fmt == "nk":
+        ldx = -(-K // 64) * 64 + 32
+        return v2_geometry(K)[0] * 1024 + GEMV_MAX_ROWS * ldx * 2
+    _need(fmt in ("q4", "mx4"), "matmul", f"format {fmt!r} has no v2 GEMV; expected nk, q4 or mx4")
     row_bytes = (-(-K // block_size) * block_size // 2) if fmt == "q4" else K // 2
-    return 16 * (256 * -(-row_bytes // 64) + 64)
+    return GEMV_MAX_ROWS * (256 * -(-row_bytes // 64) + 64)
 
 
 def _plan_v2(
-    fmt: Format, suffix: str, N: int, whole: int, K: int, block_size: int, sm_count: int
-) -> MatmulPlan | None:
-    """The v2 q4/mx4 GEMV when the whole weight has a 16-row group for every warp of the GPU.
+    fmt: Format,
+    suffix: str,
+    M: int,
+    N: int,
+    whole: int,
+    K: int,
+    block_size: int,
+    sm_count: int,
+    aligned: bool,
+    max_shared: int,
+) -> MatmulPlan | str:
+    """The v2 GEMV (fp16/bf16 nk, q4, mx4) for this call, or why not, in words.
 
-    Not for q4 blocks of 16 (a 16-byte chunk would span two scales) nor for K whose staged x
-    exceeds `_V2_MAX_SHARED`. A row's arithmetic in it depends on neither N nor the grid, so a
-    piece of such a weight (``whole`` > N) takes it too. Else None.
+    Host-known facts only. The choice is made on the whole weight (``whole`` columns), so a
+    piece of it (``split_n``) takes the whole weight's kernel, and both v2 kernels compute a
+    row independently of N and the grid: a piece gets the unsplit product's bits. Only the dense
+    rule looks at the weight's size (the H200 timings above `_V2_DENSE_MIN_ELEMENTS`); none at M.
     """
+    if gemv_version() == "v1":
+        return f"{GEMV_ENV}=v1"
     if fmt == "q4" and block_size < 32:
-        return None
-    shared = v2_shared_bytes(fmt, K, block_size)
+        return f"block_size={block_size} < 32: a 16-byte chunk would span two scales"
+    if fmt == "nk" and K % 8:
+        return f"K={K} is not a multiple of 8 (weight rows of whole 16-byte chunks)"
+    if not aligned:
+        return "the weight address is not 16-byte aligned"
     sms = max(1, sm_count)
-    if shared > _V2_MAX_SHARED or -(-whole // 16) < sms * _V2_WARPS:
-        return None
-    groups = -(-N // 16)
-    blocks = min(sms, -(-groups // _V2_WARPS))
+    shared = v2_shared_bytes(fmt, K, block_size)
+    if fmt == "nk":
+        if K > _V2_MAX_K:
+            return f"K={K} > {_V2_MAX_K}: x does not fit shared memory"
+        if whole > _V2_MAX_N:
+            return f"N={whole} > {_V2_MAX_N}: many columns, the one-wave split-K GEMV streams them"
+        if whole * K < _V2_DENSE_MIN_ELEMENTS:
+            return (
+                f"N x K = {whole} x {K} < {_V2_DENSE_MIN_ELEMENTS} elements: the split-K GEMV "
+                "measured faster on such weights"
+            )
+        limit = max_shared
+    else:
+        if -(-whole // 16) < sms * _V2_WARPS:
+            return (
+                f"N={whole}: {-(-whole // 16)} groups of 16 rows, fewer than the GPU's "
+                f"{sms * _V2_WARPS} warps"
+            )
+        limit = min(max_shared, _V2_MAX_SHARED)
+    if shared > limit:
+        return f"needs {shared} bytes of shared memory a block; at most {limit} here"
+    if fmt != "nk":
+        groups = -(-N // 16)
+        blocks = min(sms, -(-groups // _V2_WARPS))
+        return MatmulPlan(
+            f"ep_gemv_{fmt}_v2_{suffix}",
+            "gemv",
+            (blocks, 1, 1),
+            32 * _V2_WARPS,
+            1,
+            1,
+            f"v2 GEMV: {groups} groups of 16 columns over {blocks} persistent blocks x "
+            f"{_V2_WARPS} warps, each group all of K={K} in one warp; x staged in {shared} bytes "
+            "of shared memory",
+            shared,
+        )
+    kw, rounds = v2_geometry(K)
+    tiles = -(-N // 8)
+    per_sm = max(1, min(_V2_WARPS_PER_SM // kw, _SM_SHARED // (shared + 1024)))
+    cap = sms * per_sm
+    # Persistent: at most one wave; as few blocks as give the same tiles a block (balanced).
+    blocks = tiles if tiles <= cap else -(-tiles // -(-tiles // cap))
+    _need(blocks <= 2**31 - 1, "matmul", f"N={N} needs {blocks} blocks; too many")
     return MatmulPlan(
-        f"ep_gemv_{fmt}_v2_{suffix}",
+        f"ep_gemv_nk_v2_{suffix}",
         "gemv",
         (blocks, 1, 1),
-        32 * _V2_WARPS,
+        32 * kw,
+        kw,
         1,
-        1,
-        f"v2 GEMV: {groups} groups of 16 columns over {blocks} persistent blocks x {_V2_WARPS} "
-        f"warps, each group all of K={K} in one warp; x staged in {shared} bytes of shared memory",
+        f"dense GEMV v2: {tiles} tiles of 8 rows over {blocks} blocks of {kw} warps (K={K}: "
+        f"{-(-K // 32)} steps of 32 k, {rounds} round(s) of {_V2_SLOTS} a warp), no K split "
+        f"over blocks, {shared} bytes of shared memory a block",
         shared,
     )
 
@@ -840,7 +973,16 @@ def gemm(
     row = (K if transpose_b else N) * dtype.itemsize
     flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
     plan = plan_matmul(
-        fmt, dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev), split_n=split_n
+        fmt,
+        dtype,
+        M=M,
+        N=N,
+        K=K,
+        workspace=workspace,
+        sm_count=_sm_count(dev),
+        split_n=split_n,
+        aligned=bool(flags & _FLAG_W16),
+        max_shared=int(dev.limits["max_shared_mem"]),
     )
     return _launch(dev, plan, [out, x, w, M, N, K, flags], workspace, out, stream)
 
@@ -907,6 +1049,7 @@ def gemm_nbits(
         sm_count=_sm_count(dev),
         split_n=split_n,
         aligned=bool(flags & _FLAG_W16),
+        max_shared=int(dev.limits["max_shared_mem"]),
     )
     shift = int(math.log2(block_size))
     zp = zero_points if zero_points is not None else b  # never read without EPK_ZP
@@ -957,5 +1100,6 @@ def gemm_mxfp4(
         sm_count=_sm_count(dev),
         split_n=split_n,
         aligned=bool(flags & _FLAG_W16),
+        max_shared=int(dev.limits["max_shared_mem"]),
     )
     return _launch(dev, plan, [out, x, b, scales, M, N, K, flags], workspace, out, stream)

@@ -21,6 +21,7 @@ from ep.kernels import matmul
 from ep.kernels.matmul import (
     GEMV_MAX_ROWS,
     MATMUL_KERNELS,
+    Format,
     gemm,
     gemm_mxfp4,
     gemm_nbits,
@@ -109,8 +110,12 @@ def test_every_matmul_kernel_compiles_to_sm90_cubin(tmp_path: Path) -> None:
     for name, source in MATMUL_KERNELS.items():
         report = compile_kernel(source, "sm_90", cache=cache).report
         assert report.cubin_bytes > 0, name
-    # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, the streaming and v2 q4/mx4 GEMVs
-    assert len(MATMUL_KERNELS) == 24 + 4 + 4
+    # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, the streaming and v2 q4/mx4 GEMVs and
+    # the dense v2 GEMV (fp16/bf16)
+    assert len(MATMUL_KERNELS) == 24 + 4 + 4 + 2
+    assert {n for n in MATMUL_KERNELS if "_v2_" in n} == {
+        f"ep_gemv_{fmt}_v2_{dt}" for fmt in ("nk", "q4", "mx4") for dt in ("f16", "bf16")
+    }
 
 
 # --- dense -------------------------------------------------------------------------------------
@@ -158,12 +163,14 @@ def test_dense_model_shapes_with_workspace(
     poison: Poison,
     upload: Upload,
     rel_error: RelError,
+    monkeypatch: pytest.MonkeyPatch,
     M: int,
     N: int,
     K: int,
     dtype: np.dtype,
     transpose_b: int,
 ) -> None:
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")  # the split-K path (the v2 GEMVs have no workspace)
     s = device.default_stream
     ws = matmul_workspace(device, stream=s, floats=1 << 20, counters=1 << 12)
     x = _acts(rng, dtype, M, K)
@@ -428,9 +435,11 @@ def test_a_captured_gemv_replays_with_new_inputs(
     poison: Poison,
     upload: Upload,
     rel_error: RelError,
+    monkeypatch: pytest.MonkeyPatch,
     dtype: np.dtype,
 ) -> None:
     """Split over blocks inside a graph: every replay sees zeroed counters and is right."""
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")  # the split-K GEMV (v2 does not split over blocks)
     s = device.default_stream
     M, N, K = 2, 64, 2048
     ws = matmul_workspace(device, stream=s, floats=1 << 18, counters=1 << 10)
@@ -453,7 +462,10 @@ def test_a_captured_gemv_replays_with_new_inputs(
 # --- plans ---------------------------------------------------------------------------------------
 
 
-def test_plan_picks_gemv_up_to_16_rows_and_never_looks_at_m_otherwise(cpu_device: Device) -> None:
+def test_plan_picks_gemv_up_to_16_rows_and_never_looks_at_m_otherwise(
+    cpu_device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")  # the split-K GEMVs (v2: see the tests below)
     ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
     for fmt in ("nk", "kn", "q4", "mx4"):
         plans = [plan_matmul(fmt, BF16, M=m, N=896, K=4864, workspace=ws) for m in range(1, 17)]
@@ -848,8 +860,11 @@ def test_stream_vocabulary_projection_on_the_gpu(
         assert rel_error(got[:, r], ref(r)) < 1e-2
 
 
-def test_layer_sized_dense_gemvs_split_k_over_every_warp(cpu_device: Device) -> None:
+def test_layer_sized_dense_gemvs_split_k_over_every_warp(
+    cpu_device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Timed on the H200 over every (kw, gy): all 8 warps on K, blocks only past 4 steps a warp.
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")
     ws = matmul.matmul_workspace(cpu_device, stream=cpu_device.default_stream)
     cases = {(896, 1152): (8, 1), (896, 896): (8, 1), (896, 9728): (8, 1), (4864, 896): (8, 4)}
     for (K, N), (kw, gy) in cases.items():
@@ -1143,10 +1158,33 @@ def test_v1_switch_and_a_bad_value(cpu_device: Device, monkeypatch: pytest.Monke
     assert plan_matmul("q4", BF16, M=1, N=VOCAB, K=896).kernel == "ep_gemv_q4_stream_bf16"
     assert plan_matmul("mx4", BF16, M=1, N=VOCAB, K=896).kernel == "ep_gemv_mx4_bf16"
     monkeypatch.setenv(matmul.GEMV_ENV, "v3")
-    with pytest.raises(KernelArgumentError, match="GENAI_EP_GEMV='v3'; expected v1"):
+    with pytest.raises(KernelArgumentError, match="GENAI_EP_GEMV='v3' is not a GEMV version"):
         plan_matmul("q4", BF16, M=1, N=VOCAB, K=896)
     monkeypatch.setenv(matmul.GEMV_ENV, "V2")
     assert plan_matmul("q4", BF16, M=1, N=VOCAB, K=896).kernel == "ep_gemv_q4_v2_bf16"
+
+
+def test_v2_4bit_says_why_not_and_keeps_to_the_device_shared_memory(cpu_device: Device) -> None:
+    """The fallback's reason names the v2 rule that failed; a device whose blocks hold less shared
+    memory than the staged x gets the earlier kernel instead of a launch error."""
+    assert plan_matmul("q4", BF16, M=1, N=VOCAB, K=896).kernel == "ep_gemv_q4_v2_bf16"
+    cases: list[tuple[Format, dict[str, object], str, str]] = [
+        ("q4", {"max_shared": 16 * 1024}, "ep_gemv_q4_stream_bf16",
+         "needs 29696 bytes of shared memory a block; at most 16384 here"),
+        ("mx4", {"max_shared": 16 * 1024}, "ep_gemv_mx4_bf16",
+         "needs 29696 bytes of shared memory a block; at most 16384 here"),
+        ("q4", {"K": 8192}, "ep_gemv_q4_stream_bf16",
+         "needs 263168 bytes of shared memory a block; at most 163840 here"),
+        ("q4", {"N": 4864}, "ep_gemv_q4_bf16",
+         "N=4864: 304 groups of 16 rows, fewer than the GPU's 2112 warps"),
+        ("q4", {"block_size": 16}, "ep_gemv_q4_stream_bf16", "block_size=16 < 32"),
+        ("mx4", {"aligned": False}, "ep_gemv_mx4_bf16",
+         "the weight address is not 16-byte aligned"),
+    ]  # fmt: skip
+    for fmt, change, kernel, why in cases:
+        args: dict[str, object] = {"M": 1, "N": VOCAB, "K": 896, "sm_count": 132, **change}
+        plan = plan_matmul(fmt, BF16, **args)  # type: ignore[arg-type]
+        assert plan.kernel == kernel and f"v2 not taken: {why}" in plan.reason, plan.reason
 
 
 @pytest.mark.parametrize("fmt", ["q4", "mx4"])
@@ -1177,3 +1215,337 @@ def test_v2_runs_its_numpy_twin_on_the_cpu(
         want = matmul_mxfp4(x, mb, ms, K=K, N=N)
     assert plan.kernel == f"ep_gemv_{fmt}_v2_bf16"
     assert rel_error(out.to_host(stream=s), want) < 1e-2
+
+
+# --- the dense GEMV v2 (ep_gemv_nk_v2_<dt>: fp16/bf16 W [N, K]) ---------------------------------
+#
+# The plan picks it only where the H200 measured it faster (weights of >= 4 Mi elements at M = 1;
+# matmul._V2_DENSE_MIN_ELEMENTS has the timings). Its K split (kw warps of a block, R rounds of
+# 8 steps) is a function of K alone, so a row's result must be bitwise the same at every M, for
+# every N and every grid (pieces with split_n, one SM walking every tile): the kernel tests open
+# the rule (`dense_v2_anywhere`) to run it on every shape and M it supports. GENAI_EP_GEMV=v1
+# forces the split-K ep_gemv_nk.
+
+HALF = [F16, BF16]
+HALF_IDS = ["f16", "bf16"]
+LAYER = {  # (K, N) -> (warps a block, blocks on 132 SMs)
+    (896, 1152): (4, 144),  # QKV
+    (896, 896): (4, 112),  # o
+    (896, 9728): (4, 406),  # gate + up: 1216 tiles, 3 a block
+    (4864, 896): (16, 112),  # down: 2 rounds of 8 steps a warp
+}
+# (K, N) -> v2 faster at M = 1 on the H200 (bf16; at M = 4 it is not, or not clearly, anywhere)
+H200_DENSE_V2_WINS = {
+    (896, 128): False,
+    (896, 896): False,
+    (896, 1152): False,
+    (896, 4864): True,
+    (4864, 896): True,
+    (896, 9728): True,
+    (896, 151936): False,  # N > 16384: v2 does not take the vocabulary projection
+}
+
+
+@pytest.fixture
+def dense_v2_anywhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dense v2 wherever it can run: its measured rule (weight size, M) opened, so that the
+    kernel is checked on every shape and batch size, not only where the plan picks it today."""
+    monkeypatch.setattr(matmul, "_V2_DENSE_MIN_ELEMENTS", 0)
+
+
+def _suffix(dtype: np.dtype) -> str:
+    return DTYPE_IDS[DTYPES.index(dtype)]
+
+
+def test_dense_v2_is_planned_only_where_the_h200_measured_it_faster(
+    cpu_device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
+    for dtype in HALF:
+        for (K, N), wins in H200_DENSE_V2_WINS.items():
+            for M in range(1, GEMV_MAX_ROWS + 1):
+                plan = plan_matmul("nk", dtype, M=M, N=N, K=K, workspace=ws, sm_count=132)
+                v2 = plan.kernel == f"ep_gemv_nk_v2_{_suffix(dtype)}"
+                assert v2 == wins, (K, N, M, plan.reason)  # at every M: batch row identity
+                if not v2:
+                    assert plan.kernel == f"ep_gemv_nk_{_suffix(dtype)}"
+                    assert "v2 not taken: " in plan.reason
+    # the boundary is 4 Mi elements of the whole weight, whatever its shape
+    assert "_v2_" in plan_matmul("nk", BF16, M=1, N=4096, K=1024).kernel
+    below = plan_matmul("nk", BF16, M=1, N=4088, K=1024)
+    assert "_v2_" not in below.kernel
+    assert "N x K = 4088 x 1024 < 4194304 elements" in below.reason
+    assert "_v2_" in plan_matmul("nk", BF16, M=GEMV_MAX_ROWS, N=4096, K=1024).kernel
+    # a piece takes the whole weight's kernel: v2 for a piece of gate + up, not of QKV
+    assert "_v2_" in plan_matmul("nk", BF16, M=1, N=1024, K=896, split_n=9728).kernel
+    assert "_v2_" not in plan_matmul("nk", BF16, M=1, N=128, K=896, split_n=1152).kernel
+    # fp32 and [K, N] weights have no v2; GENAI_EP_GEMV=v1 plans none
+    assert plan_matmul("nk", np.dtype(np.float32), M=1, N=9728, K=896).kernel == "ep_gemv_nk_f32"
+    assert plan_matmul("kn", BF16, M=1, N=9728, K=896).kernel == "ep_gemv_kn_bf16"
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")
+    assert plan_matmul("nk", BF16, M=1, N=9728, K=896).kernel == "ep_gemv_nk_bf16"
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_dense_v2_rule_through_the_wrapper(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+) -> None:
+    """gate/up runs v2 at M = 1 and 2 (never a batch-dependent choice); both match the reference."""
+    s = device.default_stream
+    N, K = 4864, 896
+    w = _weights(rng, (N, K), K).astype(dtype)
+    wb = upload(device, w)
+    ws = matmul_workspace(device, stream=s)
+    for M, kernel in (
+        (1, f"ep_gemv_nk_v2_{_suffix(dtype)}"),
+        (2, f"ep_gemv_nk_v2_{_suffix(dtype)}"),
+    ):
+        x = _acts(rng, dtype, M, K)
+        out = _out(device, dtype, M, N, poison)
+        plan = gemm(device, out, upload(device, x), wb, M=M, N=N, K=K, transpose_b=1, stream=s,
+                    workspace=ws)  # fmt: skip
+        assert plan.kernel == kernel, plan.reason
+        assert rel_error(out.to_host(stream=s), _dense_ref(x, w, N, 1)) < _tol(dtype)
+
+
+@pytest.mark.usefixtures("dense_v2_anywhere")
+def test_v2_plans_the_layer_shapes_the_same_at_every_m(cpu_device: Device) -> None:
+    ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
+    for dtype in HALF:
+        for (K, N), (kw, blocks) in LAYER.items():
+            plans = {
+                plan_matmul("nk", dtype, M=m, N=N, K=K, workspace=w, sm_count=132)
+                for m in range(1, GEMV_MAX_ROWS + 1)
+                for w in (ws, None)
+            }
+            assert len(plans) == 1, plans  # neither M nor the workspace changes the geometry
+            plan = plans.pop()
+            assert plan.kernel == f"ep_gemv_nk_v2_{_suffix(dtype)}", plan.reason
+            assert (plan.grid, plan.block, plan.kw, plan.gy) == ((blocks, 1, 1), 32 * kw, kw, 1)
+            ldx = -(-K // 64) * 64 + 32
+            assert plan.shared == matmul.v2_shared_bytes("nk", K) == kw * 1024 + 16 * ldx * 2
+            assert matmul.v2_geometry(K)[0] == kw
+    assert matmul.v2_geometry(4864) == (16, 2) and matmul.v2_geometry(896) == (4, 1)
+    assert matmul.v2_geometry(8) == (1, 1)
+    # prefill is still the tiled GEMM
+    assert plan_matmul("nk", BF16, M=17, N=896, K=896).kind == "gemm"
+
+
+def test_v2_falls_back_to_the_split_k_gemv_with_a_reason(
+    cpu_device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def plan(**kw: object) -> matmul.MatmulPlan:
+        args: dict[str, object] = {"M": 1, "N": 4864, "K": 896, **kw}
+        dtype = args.pop("dtype", BF16)
+        return plan_matmul("nk", dtype, **args)  # type: ignore[arg-type]
+
+    assert plan().kernel == "ep_gemv_nk_v2_bf16"  # the baseline (gate, M = 1) takes v2
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"aligned": False}, "the weight address is not 16-byte aligned"),
+        ({"K": 900}, "K=900 is not a multiple of 8"),  # rows of 1800 bytes
+        ({"K": 6152}, "K=6152 > 6144"),
+        ({"N": 151936}, "N=151936 > 16384"),
+        ({"N": 2048, "split_n": 151936}, "N=151936 > 16384"),  # a piece of the vocabulary
+        ({"K": 4864, "max_shared": 99 * 1024}, "needs 173056 bytes of shared memory a block"),
+        ({"N": 896}, "N x K = 896 x 896 < 4194304 elements"),
+    ]
+    for change, why in cases:
+        p = plan(**change)
+        assert p.kernel == "ep_gemv_nk_bf16" and f"v2 not taken: {why}" in p.reason, p.reason
+    assert plan(dtype=np.dtype(np.float32)).kernel == "ep_gemv_nk_f32"
+    assert plan(K=6144).kernel == "ep_gemv_nk_v2_bf16"  # the largest K that fits
+    # a piece of a layer weight takes v2 like the whole, with the whole's arithmetic (kw)
+    piece = plan(N=2048, K=4864, split_n=9728)
+    assert piece.kernel == "ep_gemv_nk_v2_bf16" and piece.kw == plan(N=9728, K=4864).kw
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")
+    forced = plan()
+    assert forced.kernel == "ep_gemv_nk_bf16" and "GENAI_EP_GEMV=v1" in forced.reason
+    monkeypatch.setenv(matmul.GEMV_ENV, "V2")
+    assert plan().kernel == "ep_gemv_nk_v2_bf16"
+    monkeypatch.setenv(matmul.GEMV_ENV, "v3")
+    with pytest.raises(KernelArgumentError, match="GENAI_EP_GEMV='v3' is not a GEMV version"):
+        plan()
+
+
+def _gemm_nk(dev: Device, out: Buffer, x: Buffer, w: Buffer, M: int, N: int, K: int,
+             **kw: object) -> matmul.MatmulPlan:  # fmt: skip
+    return gemm(dev, out, x, w, M=M, N=N, K=K, transpose_b=1, stream=dev.default_stream, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.usefixtures("dense_v2_anywhere")
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_v2_wrapper_picks_by_alignment_and_the_switch(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: np.dtype,
+) -> None:
+    """Aligned W: v2; W one element off: ep_gemv_nk; x one element off: still v2 (x is staged
+    element-wise); GENAI_EP_GEMV=v1: ep_gemv_nk. Every result matches the reference."""
+    s = device.default_stream
+    M, N, K = 3, 40, 136
+    x = _acts(rng, dtype, M, K)
+    w = _weights(rng, (N, K), K).astype(dtype)
+    want = _dense_ref(x, w, N, 1)
+    xs = upload(device, np.concatenate([np.zeros(1, dtype), x.reshape(-1)]))
+    ws = upload(device, np.concatenate([np.zeros(1, dtype), w.reshape(-1)]))
+    xa, wa = upload(device, x), upload(device, w)
+    x_off = xs.view(dtype, (M, K), offset=dtype.itemsize)
+    w_off = ws.view(dtype, (N, K), offset=dtype.itemsize)
+    sfx = _suffix(dtype)
+    results = {}
+    for label, xb, wb, kernel in (
+        ("aligned", xa, wa, f"ep_gemv_nk_v2_{sfx}"),
+        ("w-off", xa, w_off, f"ep_gemv_nk_{sfx}"),
+        ("x-off", x_off, wa, f"ep_gemv_nk_v2_{sfx}"),
+    ):
+        out = _out(device, dtype, M, N, poison)
+        plan = _gemm_nk(device, out, xb, wb, M, N, K)
+        assert plan.kernel == kernel, (label, plan.reason)
+        results[label] = out.to_host(stream=s)
+        assert rel_error(results[label], want) < _tol(dtype), label
+    if device.kind == "cuda":  # the staging path does not change the arithmetic
+        np.testing.assert_array_equal(results["x-off"], results["aligned"])
+    monkeypatch.setenv(matmul.GEMV_ENV, "v1")
+    out = _out(device, dtype, M, N, poison)
+    assert _gemm_nk(device, out, xa, wa, M, N, K).kernel == f"ep_gemv_nk_{sfx}"
+    assert rel_error(out.to_host(stream=s), want) < _tol(dtype)
+
+
+@pytest.mark.usefixtures("dense_v2_anywhere")
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("K", [8, 72, 896, 4864])
+@pytest.mark.parametrize("N", [1, 7, 900, 9728])
+def test_v2_matches_matmul_weight_on_the_gpu(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    N: int,
+    K: int,
+    M: int,
+    dtype: np.dtype,
+) -> None:
+    """Odd N (a partial tile), K of one step or a partial one, the layer shapes; nothing is
+    written past y."""
+    dev, s = cuda_device, cuda_device.default_stream
+    x = _acts(rng, dtype, M, K)
+    w = _weights(rng, (N, K), K).astype(dtype)
+    out = dev.alloc(M * N + 40, dtype, stream=s, name="y")
+    poison(out)
+    plan = _gemm_nk(dev, out, dev.to_device(x, stream=s), dev.to_device(w, stream=s), M, N, K)
+    assert plan.kernel == f"ep_gemv_nk_v2_{_suffix(dtype)}", plan.reason
+    got = out.to_host(stream=s)
+    assert np.isnan(got[M * N :].astype(np.float32)).all()
+    assert rel_error(got[: M * N].reshape(M, N), _dense_ref(x, w, N, 1)) < _tol(dtype)
+
+
+@pytest.mark.usefixtures("dense_v2_anywhere")
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+@pytest.mark.parametrize(("K", "N"), [(896, 1152), (4864, 900), (72, 9728)])
+def test_v2_rows_are_bitwise_the_same_at_every_batch_size(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    dtype: np.dtype,
+    K: int,
+    N: int,
+) -> None:
+    """Every row of a batch of 16 equals that row alone and inside batches of 3, 8 and 9; a
+    second run equals the first (no order-dependent sums)."""
+    dev, s = cuda_device, cuda_device.default_stream
+    x = _acts(rng, dtype, GEMV_MAX_ROWS, K)
+    wb = dev.to_device(_weights(rng, (N, K), K).astype(dtype), stream=s)
+
+    def run(rows: np.ndarray) -> np.ndarray:
+        M = rows.shape[0]
+        out = _out(dev, dtype, M, N, poison)
+        plan = _gemm_nk(dev, out, dev.to_device(rows, stream=s), wb, M, N, K)
+        assert "_v2_" in plan.kernel
+        return out.to_host(stream=s)
+
+    batch = run(x)
+    assert np.isfinite(batch.astype(np.float32)).all()
+    np.testing.assert_array_equal(run(x), batch)
+    for i in range(GEMV_MAX_ROWS):
+        np.testing.assert_array_equal(run(x[i : i + 1]), batch[i : i + 1])
+    for lo, hi in ((0, 3), (3, 11), (7, 16)):
+        np.testing.assert_array_equal(run(x[lo:hi]), batch[lo:hi])
+
+
+@pytest.mark.usefixtures("dense_v2_anywhere")
+@pytest.mark.cuda
+@pytest.mark.parametrize(("K", "N"), [(896, 1000), (4864, 900)])
+def test_v2_columns_do_not_depend_on_n_or_the_grid(
+    cuda_device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    rel_error: RelError,
+    monkeypatch: pytest.MonkeyPatch,
+    K: int,
+    N: int,
+) -> None:
+    """Pieces with split_n, and one SM (a few blocks walking every tile: the ring runs across
+    tiles and rounds, the partial-sum buffers alternate), give the whole launch's bits."""
+    dev, s = cuda_device, cuda_device.default_stream
+    M = 5
+    x = _acts(rng, BF16, M, K)
+    w = _weights(rng, (N, K), K).astype(BF16)
+    xb = dev.to_device(x, stream=s)
+    whole = _out(dev, BF16, M, N, poison)
+    plan = _gemm_nk(dev, whole, xb, dev.to_device(w, stream=s), M, N, K)
+    assert "_v2_" in plan.kernel and plan.grid[0] == -(-N // 8)  # one tile a block here
+    want = whole.to_host(stream=s)
+    assert rel_error(want, _dense_ref(x, w, N, 1)) < 1e-2
+    parts = []
+    for n0 in range(0, N, 264):  # 33 tiles: not a multiple of anything the kernel uses
+        n1 = min(n0 + 264, N)
+        out = _out(dev, BF16, M, n1 - n0, poison)
+        piece = dev.to_device(np.ascontiguousarray(w[n0:n1]), stream=s)
+        _gemm_nk(dev, out, xb, piece, M, n1 - n0, K, split_n=N)
+        parts.append(out.to_host(stream=s))
+    np.testing.assert_array_equal(np.concatenate(parts, axis=1), want)
+    monkeypatch.setattr(matmul, "_sm_count", lambda dev: 1)
+    out = _out(dev, BF16, M, N, poison)
+    one = _gemm_nk(dev, out, xb, dev.to_device(w, stream=s), M, N, K)
+    assert one.grid[0] < -(-N // 8) // 8  # every block walks many tiles
+    np.testing.assert_array_equal(out.to_host(stream=s), want)
+
+
+@pytest.mark.usefixtures("dense_v2_anywhere")
+@pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
+def test_a_captured_v2_gemv_replays_with_new_inputs(
+    device: Device,
+    rng: np.random.Generator,
+    poison: Poison,
+    upload: Upload,
+    rel_error: RelError,
+    dtype: np.dtype,
+) -> None:
+    s = device.default_stream
+    M, N, K = 4, 1152, 896
+    w = _weights(rng, (N, K), K).astype(dtype)
+    wb = upload(device, w)
+    xb = device.alloc((M, K), dtype, stream=s, name="x")
+    out = _out(device, dtype, M, N, poison)
+    device.compile_all()
+    with device.capture(stream=s) as cap:
+        plan = _gemm_nk(device, out, xb, wb, M, N, K)
+    assert "_v2_" in plan.kernel
+    for _ in range(3):
+        x = _acts(rng, dtype, M, K)
+        xb.copy_from_host(x, stream=s)
+        poison(out)
+        cap.graph.launch(stream=s)
+        assert rel_error(out.to_host(stream=s), _dense_ref(x, w, N, 1)) < _tol(dtype)
