@@ -13,8 +13,9 @@ capture policy, then
   (the device token loop, one synchronisation per ``k`` steps).
 
 The L2 prefetch calls of the decode plan (`ep.native.prefetch`) are their own op type,
-``L2Prefetch`` (their graph alone times issuing them; what they save shows in the whole graph
-and in the MatMul line of an A/B run, not in their own line). A/B:
+``L2Prefetch``: their graph alone times issuing them. What they save shows only in the whole
+graph and the step times: each op type's graph replays that type alone, so the MatMul line runs
+without them in both runs of an A/B (and the sum over op types exceeds the graph by the saving):
 
     python3 tools/profile_native.py --out DIR      # on the H200: DIR/profile_native.json
     GENAI_EP_L2_PREFETCH=0 python3 tools/profile_native.py --out DIR/no-prefetch
