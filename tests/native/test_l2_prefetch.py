@@ -323,6 +323,14 @@ def test_table_rows_cut_ranges_into_chunks() -> None:
     assert nk.prefetch_rows([]).shape == (0, 2)
     with pytest.raises(KernelArgumentError, match="non-negative"):
         nk.prefetch_rows([(5, -1)])
+    # by default a call's rows spread over about PREFETCH_BLOCKS blocks, never below the minimum
+    assert nk.prefetch_chunk(100) == nk.PREFETCH_MIN_CHUNK
+    layer = 29_824_768  # a Qwen2.5-0.5B layer window
+    assert nk.prefetch_chunk(layer) == 233_472 and nk.prefetch_chunk(layer) % 4096 == 0
+    sizes = [1_605_632, 1792, 17_432_576, 8_716_288, 1792, 2_064_384, 2304]
+    ranges = list(zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, strict=True))
+    rows = nk.prefetch_rows(ranges)
+    assert 128 <= len(rows) <= 128 + len(sizes) and int(rows[:, 1].sum()) == layer
 
 
 def test_the_prefetch_kernel_compiles_with_its_own_pdl(tmp_path: Path) -> None:
