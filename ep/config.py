@@ -47,7 +47,6 @@ NON_CONFIG_ENV = frozenset(
         "GENAI_EP_CACHE",
         "GENAI_EP_KERNEL_CACHE",
         "GENAI_EP_PDL",  # the CUDA device: 0 launches without programmatic dependent launch
-        "GENAI_EP_L2_PREFETCH",  # native decode plans: 0 = no L2 prefetch of weights, or a budget
         "GENAI_EP_GEMV",  # v1 forces the first-generation GEMV kernels (A/B runs)
     }
 )

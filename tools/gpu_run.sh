@@ -54,9 +54,6 @@ TAIL=15 stage 240 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
     --junitxml="$out/pytest-cuda.xml" tests
 cuda_rc=$?
 TAIL=40 stage 90 profile python3 tools/profile_native.py --out "$out"
-mkdir -p "$out/no-l2-prefetch"  # A/B: the same profile without the L2 prefetch calls
-TAIL=16 stage 60 profile-no-l2-prefetch env GENAI_EP_L2_PREFETCH=0 python3 tools/profile_native.py \
-    --batch 1 --out "$out/no-l2-prefetch"
 TAIL=14 stage 150 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch
 bench_rc=$?
 TAIL=60 stage 300 bench-native python3 tools/bench_native.py --device cuda --batches 1 2 4 8 16 \

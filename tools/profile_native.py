@@ -12,13 +12,7 @@ capture policy, then
 - **step**: ``backend.step`` wall-clock (logits on the host) and ``backend.steps(k)`` per step
   (the device token loop, one synchronisation per ``k`` steps).
 
-The L2 prefetch calls of the decode plan (`ep.native.prefetch`) are their own op type,
-``L2Prefetch``: their graph alone times issuing them. What they save shows only in the whole
-graph and the step times: each op type's graph replays that type alone, so the MatMul line runs
-without them in both runs of an A/B (and the sum over op types exceeds the graph by the saving):
-
     python3 tools/profile_native.py --out DIR      # on the H200: DIR/profile_native.json
-    GENAI_EP_L2_PREFETCH=0 python3 tools/profile_native.py --out DIR/no-prefetch
 """
 
 from __future__ import annotations
@@ -106,12 +100,6 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
         del out, out_last
     return {
         "batch": batch,
-        "l2_prefetch": {
-            "budget_bytes": backend.l2_prefetch_bytes,
-            "l2_bytes": dev.l2_cache_bytes,
-            "calls": len(plan.prefetches),
-            "bytes_per_step": sum(p.nbytes for p in plan.prefetches),
-        },
         "graph_ms": graph_ms,
         "sum_of_ops_ms": sum(v["total_us"] for v in ops.values()) / 1e3,
         "calls": len(calls),
@@ -156,10 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {batch}: graph {r['graph_ms']:.3f} ms/step ({r['calls']} calls; sum over "
               f"op types {r['sum_of_ops_ms']:.3f} ms), step() "
               f"{r['step_wall_ms']:.3f} ms, steps({s.loop}) {loop:.3f} ms/step")  # fmt: skip
-        pf = r["l2_prefetch"]
-        print(f"  L2 prefetch: {pf['calls']} calls, {pf['bytes_per_step'] / 1e6:.1f} MB a step, "
-              f"budget {pf['budget_bytes'] / 2**20:.1f} MiB a call of {pf['l2_bytes'] / 2**20:.0f} "
-              "MiB L2 (GENAI_EP_L2_PREFETCH)")  # fmt: skip
         for op, v in r["ops"].items():
             print(f"  {op:14s} {v['calls']:4d} calls  {v['total_us']:9.1f} us  "
                   f"{v['per_call_us']:7.2f} us a call")  # fmt: skip

@@ -836,9 +836,6 @@ class Device:
             "max_shared_mem": 227 * 1024,
         }
         self.granule = GRANULE  # growable buffers map memory in multiples of this
-        # Bytes of the device's last-level cache that kernels share (CUDA: the L2); 0 where
-        # there is none to warm (the CPU device), which turns off work meant only to fill it.
-        self.l2_cache_bytes = 0
         self._ledger = _Ledger()
         self._open_captures = 0
         self._deferred: list[_Allocation] = []

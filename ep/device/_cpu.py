@@ -51,7 +51,6 @@ class CPUDevice(Device):
 
     def __init__(self) -> None:
         super().__init__("cpu", None)
-        self.l2_cache_bytes = 0  # no device cache: the L2 prefetch of the native plan is off
 
     # -- memory --
 

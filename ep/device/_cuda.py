@@ -113,7 +113,6 @@ class CUDADevice(Device):
                 ),
                 "max_shared_mem": int(properties.max_shared_memory_per_block_optin),
             }
-            self.l2_cache_bytes = int(properties.l2_cache_size)
         granularity = self._vmm_granularity()
         # The base class rounds growth to `granule`; keep it a multiple of what the driver needs.
         self.granule = max(self.granule, granularity)

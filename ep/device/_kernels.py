@@ -154,11 +154,6 @@ class KernelSource:
     CPU device runs: it receives each pointer as a flat NumPy array of the declared dtype (the
     whole buffer) and each scalar as a NumPy scalar, and must compute what the whole launch
     computes, whatever the grid.
-
-    ``pdl_prologue``: from sm_90 on, `PDL_PROLOGUE` is inserted as the entry's first statement.
-    False leaves the source as written: for a kernel that reads nothing an earlier kernel writes
-    and places ``griddepcontrol`` itself (it must still end with ``griddepcontrol.wait``, so that
-    a kernel after it sees every result from before it).
     """
 
     name: str
@@ -167,7 +162,6 @@ class KernelSource:
     entry: str = ""  # defaults to ``name``
     options: CompileOptions = field(default_factory=CompileOptions)
     cpu: Callable[..., None] | None = field(default=None, compare=False)
-    pdl_prologue: bool = True
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", self.name):
@@ -193,11 +187,13 @@ class KernelSource:
 
     def same_kernel(self, other: KernelSource) -> bool:
         """Whether two sources compile and launch identically (the CPU twin may be re-created)."""
-        return (
-            self.name, self.source, self.params, self.entry, self.options, self.pdl_prologue
-        ) == (
-            other.name, other.source, other.params, other.entry, other.options, other.pdl_prologue
-        )  # fmt: skip
+        return (self.name, self.source, self.params, self.entry, self.options) == (
+            other.name,
+            other.source,
+            other.params,
+            other.entry,
+            other.options,
+        )
 
 
 class KernelRegistry:
@@ -482,11 +478,8 @@ def with_pdl_prologue(text: str, entry: str) -> str:
 
 
 def compiled_source(source: KernelSource, arch: str) -> str:
-    """The text NVRTC compiles for ``arch``: the source, with the PDL prologue from sm_90 on
-    (unless the kernel places its own: ``pdl_prologue=False``)."""
-    if source.pdl_prologue and pdl_arch(arch):
-        return with_pdl_prologue(source.source, source.entry)
-    return source.source
+    """The text NVRTC compiles for ``arch``: the source, with the PDL prologue from sm_90 on."""
+    return with_pdl_prologue(source.source, source.entry) if pdl_arch(arch) else source.source
 
 
 def _nvrtc_compile(source: KernelSource, arch: str) -> bytes:

@@ -6,23 +6,15 @@ projection), rounded once to the dtype, as NumPy's same-dtype add does. ``native
 token loop's bookkeeping after sampling: the sampled id goes to the input ids and to slot
 ``slot`` of the token history, and every live position (>= 0) moves one forward.
 ``native_mask_ids_<dt>``: ``logits[b, ids[i]] = -inf`` for every row and listed id (EOS and stop
-ids before ``min_new_tokens``), so the argmax that follows never picks them.
-``native_l2_prefetch``: asks the L2 to fetch byte ranges of device memory (a [count, 2] table of
-(address, bytes) rows, `prefetch_rows`) and returns without waiting for them: on sm_90 one
-``cp.async.bulk.prefetch.L2`` per row (its 16-byte-aligned interior; a line prefetch for each
-ragged end) from one thread of the row's block, elsewhere ``prefetch.global.L2`` per 128-byte
-line from every thread of it. Each has a NumPy twin, so the CPU device runs the same calls (the
-prefetch's does nothing: the CPU device has no such cache).
+ids before ``min_new_tokens``), so the argmax that follows never picks them. Each has a NumPy
+twin, so the CPU device runs the same calls.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from ep.device import Buffer, Device, KernelSource, Stream, register_kernel
-from ep.errors import KernelArgumentError
+from ep.device import Buffer, Device, Stream
 from ep.kernels._common import (
     check_buffer,
     dtype_suffix,
@@ -31,17 +23,7 @@ from ep.kernels._common import (
     threads_for,
 )
 
-__all__ = [
-    "PREFETCH_BLOCKS",
-    "PREFETCH_MIN_CHUNK",
-    "add_bias",
-    "advance",
-    "cast_f32",
-    "l2_prefetch",
-    "mask_ids",
-    "prefetch_chunk",
-    "prefetch_rows",
-]
+__all__ = ["add_bias", "advance", "cast_f32", "mask_ids"]
 
 _ADD = r"""
 extern "C" __global__ void KERNEL(T* out, const T* x, const T* bias, i64 rows, i64 cols) {
@@ -80,52 +62,6 @@ extern "C" __global__ void KERNEL(T* logits, const long long* ids, long long bat
 }
 """
 
-# No PDL prologue: the prefetches read only weights, which no kernel writes, so they are issued
-# before waiting for the kernel before this one (they overlap its tail); the wait comes last,
-# so the kernel after this one still sees every result from before it. Every thread reaches it.
-# One row a block, one bulk prefetch instruction a row: the SM's copy engine (TMA) works through
-# a row's lines by itself, so no thread waits on a queue of many requests (`prefetch_chunk`
-# sizes the rows so that one call's rows spread over about every SM).
-_PREFETCH = r"""
-typedef unsigned long long u64;
-
-static __device__ __forceinline__ void prefetch_line(u64 address) {
-    const u64 global = (u64)__cvta_generic_to_global((const void*)address);
-    asm volatile("prefetch.global.L2 [%0];" :: "l"(global));
-}
-
-extern "C" __global__ void native_l2_prefetch(const u64* table, long long count) {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    const long long row = blockIdx.x;
-    if (row < count && table[2 * row + 1] > 0) {
-        const u64 start = table[2 * row], end = start + table[2 * row + 1];
-#if __CUDA_ARCH__ >= 900
-        // the bulk prefetch takes a 16-byte-aligned global address and a multiple of 16 bytes
-        const u64 first = (start + 15) & ~15ull, last = end & ~15ull;
-        if (threadIdx.x == 0) {
-            for (u64 at = first; at < last; at += (1u << 20)) {  // at most 1 MiB an instruction
-                const unsigned size = (unsigned)(last - at < (1u << 20) ? last - at : (1u << 20));
-                const u64 global = (u64)__cvta_generic_to_global((const void*)at);
-                asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                             :: "l"(global), "r"(size) : "memory");
-            }
-            if (first != start || first >= last) prefetch_line(start);
-            if (last != end) prefetch_line(end - 1);
-        }
-#else
-        for (u64 line = (start & ~127ull) + 128ull * threadIdx.x; line < end;
-             line += 128ull * blockDim.x)
-            prefetch_line(line < start ? start : line);
-#endif
-    }
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-"""
-
 
 def _add_cpu(
     out: np.ndarray, x: np.ndarray, bias: np.ndarray, rows: np.int64, cols: np.int64
@@ -161,10 +97,6 @@ def _mask_cpu(
     logits[(rows + ids[: int(count)][None, :]).reshape(-1)] = -np.inf
 
 
-def _prefetch_cpu(table: np.ndarray, count: np.int64) -> None:
-    """Nothing: the CPU device has no cache to warm (the call stays, so plans are the same)."""
-
-
 ADD_KERNELS = register_per_dtype(
     "native_add_bias", _ADD, ("T*", "T*", "T*", "i64", "i64"), _add_cpu
 )
@@ -175,16 +107,6 @@ MASK_KERNELS = register_per_dtype(
 ADVANCE_KERNEL = register_one(
     "native_advance", _ADVANCE, ("i64*", "i64*", "i64*", "i64*", "i64", "i64"), _advance_cpu
 )
-PREFETCH_KERNEL = register_kernel(
-    KernelSource(
-        "native_l2_prefetch", _PREFETCH, ("u64*", "i64"), cpu=_prefetch_cpu, pdl_prologue=False
-    )
-).name
-# A call's rows are about its bytes / PREFETCH_BLOCKS each (the H200 has 132 SMs), at least
-# PREFETCH_MIN_CHUNK: a 29.8 MB layer window is ~132 rows of ~230 KB, a 2 MB one ~128 of 16 KB.
-PREFETCH_BLOCKS = 128
-PREFETCH_MIN_CHUNK = 16384
-_PREFETCH_THREADS = 32  # one warp a block: thread 0 issues a row's bulk prefetch
 
 
 def _grid(n: int) -> tuple[int, int]:
@@ -270,43 +192,3 @@ def mask_ids(
     dev.kernel(MASK_KERNELS[suffix].name).launch(
         grid, threads, logits, ids, batch, count, vocab, stream=stream
     )
-
-
-def prefetch_chunk(nbytes: int) -> int:
-    """Bytes a row covers at most in a call asking for ``nbytes`` in all: about
-    ``nbytes / PREFETCH_BLOCKS`` (a multiple of 4 KiB), at least `PREFETCH_MIN_CHUNK`."""
-    share = -(-max(nbytes, 1) // PREFETCH_BLOCKS)
-    return max(PREFETCH_MIN_CHUNK, -(-share // 4096) * 4096)
-
-
-def prefetch_rows(ranges: Sequence[tuple[int, int]], chunk: int | None = None) -> np.ndarray:
-    """The [rows, 2] uint64 table of ``(address, bytes)`` ``ranges`` cut into rows of at most
-    ``chunk`` bytes (default: `prefetch_chunk` of their total); the first row of a range starts
-    at its address, aligned or not; an empty range gives no row."""
-    if chunk is None:
-        chunk = prefetch_chunk(sum(nbytes for _, nbytes in ranges))
-    if chunk <= 0:
-        raise KernelArgumentError(f"L2Prefetch: chunk={chunk}; expected a positive byte count")
-    parts = [np.zeros((0, 2), np.uint64)]
-    for address, nbytes in ranges:
-        if address < 0 or nbytes < 0:
-            raise KernelArgumentError(
-                f"L2Prefetch: range ({address}, {nbytes}); expected a non-negative address and "
-                "byte count"
-            )
-        at = np.arange(0, nbytes, chunk, dtype=np.uint64)
-        part = np.empty((at.size, 2), np.uint64)
-        part[:, 0] = np.uint64(address) + at
-        part[:, 1] = np.minimum(np.uint64(chunk), np.uint64(nbytes) - at)
-        parts.append(part)
-    return np.concatenate(parts)
-
-
-def l2_prefetch(dev: Device, table: Buffer, *, count: int, stream: Stream) -> None:
-    """Ask the L2 for the first ``count`` rows of ``table`` (uint64 [>= count, 2] of address,
-    bytes: `prefetch_rows`); returns once they are issued, not fetched. Every address must
-    lie in memory this device owns for all its bytes (a prefetch never writes)."""
-    check_buffer("L2Prefetch", "table", table, 2 * count, np.dtype(np.uint64))
-    if count == 0:
-        return
-    dev.kernel(PREFETCH_KERNEL).launch(count, _PREFETCH_THREADS, table, count, stream=stream)

@@ -26,11 +26,6 @@ backend's stream: resident ones are bound once, the others fetched by their kern
 step; each prefill and decode step is bracketed by ``begin_step`` / ``end_step(tokens=batch)``
 and captures and replays are reported to the store (`CaptureManager`). `offload_counters` is
 ``metrics.offload`` of ``genai-ep run --json``.
-
-L2 prefetch: each decode plan asks the L2 for the weights after each attention while it runs
-(`ep.native.prefetch`), up to `l2_prefetch_bytes` a call: ``GENAI_EP_L2_PREFETCH`` (read when the
-backend is made) against the device's L2 size; 0 (``GENAI_EP_L2_PREFETCH=0``, or the CPU device,
-which reports no L2) puts no prefetch call in the plans.
 """
 
 from __future__ import annotations
@@ -52,7 +47,6 @@ from ep.native import _kernels as nk
 from ep.native.capture import CaptureManager, CaptureMetrics
 from ep.native.kv import DeviceKVCache
 from ep.native.plan import KVBinding, StepPlan, split_specs, weight_reads
-from ep.native.prefetch import prefetch_budget
 from ep.native.program import Program, load_program
 from ep.native.weights import OffloadedWeights, ResidentWeights, WeightSource
 from ep.offload import (
@@ -121,7 +115,6 @@ class NativeBackend:
         from ep.kernels.matmul import matmul_workspace
 
         self.device.compile_all()  # every kernel before any capture
-        self.l2_prefetch_bytes = prefetch_budget(self.device.l2_cache_bytes)
         self.program = load_program(model.onnx_path, prepack=self.device.kind != "cpu")
         if offload is not None and weights is not None:
             raise OffloadError(
@@ -220,7 +213,6 @@ class NativeBackend:
                 inv_freq=self._inv_freq,
                 split_attention=self.device.kind != "cpu",
                 max_context=self.model.context_length,
-                l2_prefetch=self.l2_prefetch_bytes,
             )
             self._plans[(batch, seq)] = plan
         return plan
@@ -280,8 +272,6 @@ class NativeBackend:
         buffers += list(binding.values)
         if binding.block_table is not None:
             buffers.append(binding.block_table)
-        if plan.prefetch_table is not None:
-            buffers.append(plan.prefetch_table)
         sig = binding_signature(buffers)
         s = binding.strides
         geometry = (s.batch, s.token, s.head, s.dim, s.page, s.page_size, binding.capacity)

@@ -20,12 +20,6 @@ each fetching its piece right before its kernel. A MatMul piece computes output 
 straight into the output row), then a 2-D copy into the output's columns; every piece passes
 ``split_n`` = the whole N, so each column gets the K split, and the arithmetic, of the unsplit
 product. A Gather piece writes the rows of the ids inside its vocabulary rows.
-
-L2 prefetch (``l2_prefetch`` bytes > 0, decode plans only): `bind` puts a ``native_l2_prefetch``
-call (named ``L2Prefetch:<attention node>``) right before each attention call, asking the L2 for
-the fixed-address weights read after it (`ep.native.prefetch.plan_l2_prefetch`). Their (address,
-bytes) rows sit in one device table per plan (`prefetch_table`), uploaded at bind, so a captured
-step reads the same table at every replay.
 """
 
 from __future__ import annotations
@@ -42,7 +36,6 @@ import numpy as np
 from ep.device import Buffer, Device, Stream
 from ep.errors import ModelError
 from ep.native import _kernels as nk
-from ep.native.prefetch import L2Prefetch, plan_l2_prefetch
 from ep.native.program import Node, Program
 from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
@@ -269,7 +262,6 @@ class StepPlan:
         inv_freq: dict[tuple[float, int], Buffer],
         split_attention: bool,
         max_context: int,
-        l2_prefetch: int = 0,
     ) -> None:
         self.program = program
         self.device = device
@@ -283,8 +275,6 @@ class StepPlan:
         self.inv_freq = inv_freq
         self.split_attention = split_attention
         self.max_context = max_context
-        # decode plans only: a prefill's GEMMs do enough work per weight byte to hide the reads
-        self.l2_prefetch = l2_prefetch if seq == 1 else 0
         tag = f"b{batch}s{seq}"
         self.input_ids = device.alloc((batch, seq), np.int64, stream=stream, name=f"ids:{tag}")
         self.positions = device.alloc((batch, seq), np.int64, stream=stream, name=f"pos:{tag}")
@@ -299,10 +289,6 @@ class StepPlan:
         self.arena_bytes = self.arena.nbytes
         self.bound_weights: list[str] = []  # weights bound once by the last `bind`, per read
         self.call_names: list[str] = []  # "op:node" of each call of the last `bind`
-        self.prefetches: list[L2Prefetch] = []  # the L2 prefetch calls of the last `bind`
-        self.prefetch_table: Buffer | None = None  # their (address, bytes) rows, one per plan
-        self._fixed: dict[str, Buffer] = {}  # weights bound once, by name
-        self._prefetch_rows: np.ndarray | None = None  # what `prefetch_table` holds
 
     # --- shapes --------------------------------------------------------------------------------
 
@@ -471,7 +457,6 @@ class StepPlan:
         found = fixed(name, stream=self.stream) if fixed is not None else None
         if found is not None:
             self.bound_weights.append(name)
-            self._fixed[name] = found
             return found
         array = self.program.arrays.get(name)
         if array is None:
@@ -501,15 +486,10 @@ class StepPlan:
         self.bound_weights = []
         calls: list[Callable[[], object]] = []
         self.call_names = []
-        reads: list[WeightRead] = []  # per call: the weights its node reads
-        node_reads = iter(weight_reads(self.program))  # one per working node, in order
         pairs = self._rotary_pairs()
         joined = {k.name for k in pairs.values()}
         for node in self.program.nodes:
-            if node.op in _VIEWS:
-                continue
-            read = next(node_reads)
-            if node.name in joined:
+            if node.op in _VIEWS or node.name in joined:
                 continue
             call = self._bind_node(node, kv, pairs.get(node.name))
             if isinstance(call, functools.partial) and any(
@@ -518,60 +498,7 @@ class StepPlan:
                 call = _FetchingCall(call, self.weights, self.stream)
             calls.append(call)
             self.call_names.append(f"{node.op}:{node.name}")
-            reads.append(read)
-        return self._with_prefetches(calls, reads)
-
-    def _with_prefetches(
-        self, calls: list[Callable[[], object]], reads: list[WeightRead]
-    ) -> list[Callable[[], object]]:
-        """``calls`` with an L2 prefetch call before each attention that has weights after it
-        (`plan_l2_prefetch`: of the weights bound once, the others are fetched by their call);
-        ``call_names`` to match."""
-        sizes = {name: buf.nbytes for name, buf in self._fixed.items()}
-        self.prefetches = plan_l2_prefetch(reads, sizes, self.l2_prefetch)
-        if not self.prefetches:
-            return calls
-        parts = [
-            nk.prefetch_rows([(self._fixed[r.weight].ptr + r.offset, r.nbytes) for r in p.ranges])
-            for p in self.prefetches
-        ]
-        table = self._prefetch_table(np.concatenate(parts))
-        spans: dict[int, tuple[int, int]] = {}  # call index -> (first row, rows)
-        at = 0
-        for p, part in zip(self.prefetches, parts, strict=True):
-            spans[p.index] = (at, len(part))
-            at += len(part)
-        out: list[Callable[[], object]] = []
-        names: list[str] = []
-        for i, (call, name, read) in enumerate(zip(calls, self.call_names, reads, strict=True)):
-            span = spans.get(i)
-            if span is not None:
-                first, count = span
-                rows = table.view(
-                    np.uint64, (count, 2), offset=first * 16, name=f"{table.name}:{read.node}"
-                )
-                out.append(functools.partial(
-                    nk.l2_prefetch, self.device, rows, count=count, stream=self.stream
-                ))  # fmt: skip
-                names.append(f"L2Prefetch:{read.node}")
-            out.append(call)
-            names.append(name)
-        self.call_names = names
-        return out
-
-    def _prefetch_table(self, rows: np.ndarray) -> Buffer:
-        """The plan's table holding ``rows`` (allocated once; uploaded when they changed)."""
-        table = self.prefetch_table
-        if table is None or table.shape != rows.shape:
-            table = self.device.alloc(
-                rows.shape, np.uint64, stream=self.stream, name=f"l2-prefetch:{self.arena.name}"
-            )
-            self.prefetch_table = table
-            self._prefetch_rows = None
-        if self._prefetch_rows is None or not np.array_equal(self._prefetch_rows, rows):
-            table.copy_from_host(rows, stream=self.stream)
-            self._prefetch_rows = rows
-        return table
+        return calls
 
     def _rotary_pairs(self) -> dict[str, Node]:
         """Rotary nodes that run as one launch with the next one (q's rotation takes k's along):

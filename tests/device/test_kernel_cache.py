@@ -270,29 +270,3 @@ def test_sm90_kernels_open_with_the_pdl_prologue() -> None:
         with_pdl_prologue('extern "C" __global__ void k(int* a);', "k")
     # and it compiles: griddepcontrol is sm_90 PTX
     assert compile_kernel(SCALE, "sm_90", use_cache=False).cubin[:4] == b"\x7fELF"
-
-
-def test_a_kernel_that_places_its_own_pdl_is_compiled_as_written() -> None:
-    import dataclasses
-
-    from ep.device._kernels import PDL_PROLOGUE, compiled_source
-
-    own = dataclasses.replace(SCALE, pdl_prologue=False)
-    assert compiled_source(own, "sm_90") == SCALE.source
-    assert PDL_PROLOGUE in compiled_source(SCALE, "sm_90")
-    # different text, different cubin: never one cache entry for both, never one registry name
-    assert KernelCache.key(own, "sm_90") != KernelCache.key(SCALE, "sm_90")
-    assert not own.same_kernel(SCALE)
-    registry = KernelRegistry()
-    registry.register(SCALE)
-    with pytest.raises(KernelRegistryError, match="already registered"):
-        registry.register(own)
-
-
-def test_devices_report_their_l2_size() -> None:
-    from ep.device import get_device
-
-    assert get_device("cpu").l2_cache_bytes == 0  # nothing to warm: the native L2 prefetch is off
-    ok, _ = cuda_available()
-    if ok:  # every GPU has one (the driver's CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)
-        assert get_device("cuda").l2_cache_bytes > 0
