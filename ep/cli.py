@@ -391,12 +391,21 @@ def _cmd_rewrite(args: argparse.Namespace) -> int:
     return 0
 
 
+def register_all_kernels() -> list[str]:
+    """Import every module that registers kernels; the registered names, sorted."""
+    import ep.kernels  # the ops' kernels
+    import ep.native._kernels  # noqa: F401  # the native executor's own (bias add, cast, ...)
+    from ep.device import KERNELS
+
+    return KERNELS.names()
+
+
 def _cmd_kernels(args: argparse.Namespace) -> int:
     import dataclasses
 
-    import ep.kernels  # noqa: F401  # importing registers every kernel
     from ep.device import compile_all_kernels
 
+    register_all_kernels()
     rows = compile_all_kernels(args.arch)
     if args.json:
         print(json.dumps({"kernels": [dataclasses.asdict(r) for r in rows]}, indent=2))

@@ -79,6 +79,13 @@ def test_kernels_without_a_gpu_asks_for_an_architecture(capsys) -> None:
     assert code == 2 and "pass --arch sm_90" in err
 
 
+def test_kernels_lists_the_native_executors_kernels_too() -> None:
+    from ep.cli import register_all_kernels
+
+    names = register_all_kernels()
+    assert {"native_advance", "native_add_bias_bf16", "ep_gemv_nk_bf16"} <= set(names)
+
+
 def test_kernels_rejects_ptx_style_architectures(capsys) -> None:
     code, _, err = run_cli(capsys, "kernels", "--arch", "compute_90")
     assert code == 2 and "sm_" in err
