@@ -3,6 +3,8 @@
 #
 #   bash tools/gpu_run.sh [OUT]        # OUT defaults to $OUT, else ./gpu-results
 #   LARGE=0 skips the 1.5B-shaped offload run; ALL=1 adds the whole test suite.
+#   STAGES="tests profile" runs only those stages (tests profile kernels native large; default
+#   all): a session's calls on the device machine are at most 10 minutes each.
 #
 # The machine has no network: wheels the project needs beyond what is installed there
 # (onnxruntime-extensions) come from ./.whl (see docs/benchmarks/README.md for how to fetch them).
@@ -40,6 +42,8 @@ python3 -m ep.cli kernels --json >"$out/kernels.json" || { echo "kernel compile 
 
 # Each stage has a time limit (seconds; the device time of a session is short) and writes its
 # results under OUT as it goes, so a stage that runs out of time still leaves the others'.
+STAGES=" ${STAGES:-tests profile kernels native large} "
+want() { [[ "$STAGES" == *" $1 "* ]]; }
 stage() {  # stage LIMIT NAME COMMAND...
     local limit=$1 name=$2
     shift 2
@@ -50,16 +54,29 @@ stage() {  # stage LIMIT NAME COMMAND...
     return "$rc"
 }
 
-TAIL=15 stage 240 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
-    --junitxml="$out/pytest-cuda.xml" tests
-cuda_rc=$?
-TAIL=40 stage 90 profile python3 tools/profile_native.py --out "$out"
-TAIL=14 stage 150 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch
-bench_rc=$?
-TAIL=60 stage 300 bench-native python3 tools/bench_native.py --device cuda --batches 1 2 4 8 16 \
-    --steps 32 --offload scan_resistant --budget 100%,75%,50%,25% --out "$out"
-native_rc=$?
-if [ "${LARGE:-1}" = 1 ]; then  # the 1.5B shape: does not fit a small budget
+cuda_rc=0 bench_rc=0 native_rc=0
+if want tests; then
+    TAIL=15 stage 240 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
+        --junitxml="$out/pytest-cuda.xml" tests
+    cuda_rc=$?
+fi
+if want profile; then  # batch 1 and 16, then batch 1 without the launch fusions (A/B)
+    TAIL=40 stage 90 profile python3 tools/profile_native.py --batch 1,16 --out "$out"
+    mkdir -p "$out/unfused"
+    GENAI_EP_FUSE=0 TAIL=12 stage 60 profile-unfused python3 tools/profile_native.py --batch 1 \
+        --loop 0 --out "$out/unfused"
+fi
+if want kernels; then
+    TAIL=14 stage 150 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch
+    bench_rc=$?
+fi
+if want native; then
+    TAIL=60 stage 300 bench-native python3 tools/bench_native.py --device cuda \
+        --batches 1 2 4 8 16 --steps 32 --offload scan_resistant --budget 100%,75%,50%,25% \
+        --out "$out"
+    native_rc=$?
+fi
+if want large && [ "${LARGE:-1}" = 1 ]; then  # the 1.5B shape: does not fit a small budget
     mkdir -p "$out/large"
     TAIL=30 stage 200 bench-native-large python3 tools/bench_native.py --device cuda \
         --spec qwen2.5-1.5b --batches 1 8 --steps 16 --repeats 2 --no-hf --offload scan_resistant \
