@@ -601,6 +601,7 @@ def kv_commit_rotary(
     """
     op = "KVCommitRotary"
     positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    need(heads > 0 and kv_heads > 0, op, f"heads={heads}, kv_heads={kv_heads} must be > 0")
     _check_strides(op, strides)
     table, cols = _cache_checks(
         op, key_cache, value_cache, strides, capacity, batch, block_table, table_cols

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from ep.device import cuda_available
 from ep.errors import ConfigError
 from ep.model import DecoderModel, load_model
 from ep.native import NativeBackend, as_ep_model
@@ -88,6 +89,7 @@ def run(
     program: Program | None = None,
     capture: bool = False,
     offload: Any = None,
+    device: str = "cpu",
 ) -> Run:
     """Greedy ``STEPS`` steps with the fusion on or off; ``program`` replaces the model's graph,
     ``offload`` (a policy) places the weights in a store at a 100 % budget."""
@@ -95,7 +97,7 @@ def run(
         mp.setenv(FUSE_ENV, "1" if fuse else "0")
         backend = NativeBackend(
             model, LAYOUTS[layout](), capture=WarmupCapture(steps=1) if capture else None,
-            offload=offload, budget="100%" if offload is not None else None,
+            offload=offload, budget="100%" if offload is not None else None, device=device,
         )  # fmt: skip
         if program is not None:
             backend.program = program  # plans are made at first use: they read this one
@@ -185,6 +187,28 @@ def test_streamed_bias_is_fetched_by_the_fused_call(qwen: Callable[[str], Decode
     assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=2)
     for plan in fused.plans:
         assert not any(name.endswith(".bias") for name in plan.bound_weights)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["seq_major_fixed", "paged"])
+@pytest.mark.parametrize("model_name", ["qwen_bf16", "genai_ep"])
+def test_cuda_fused_logits_are_the_unfused_bits(
+    request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str,
+    layout: str,
+) -> None:  # fmt: skip
+    """On the GPU (weights prepacked, the real kernels): bitwise, batched (captured) and solo."""
+    ok, reason = cuda_available()  # raises on a present-but-broken driver: that must fail
+    if not ok:
+        pytest.skip(reason)
+    model = qwen("bf16") if model_name == "qwen_bf16" else request.getfixturevalue(model_name)
+    absorbed = 2 if model_name == "qwen_bf16" else 1
+    unfused = run(model, layout, PROMPTS[:3], fuse=False, device="cuda")
+    capture = layout == "seq_major_fixed"  # the layout the H200 benchmarks capture
+    fused = run(model, layout, PROMPTS[:3], fuse=True, device="cuda", capture=capture)
+    assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=absorbed)
+    solo_off = run(model, layout, PROMPTS[1:2], fuse=False, device="cuda")
+    solo_on = run(model, layout, PROMPTS[1:2], fuse=True, device="cuda")
+    assert_fused_everywhere(solo_on, solo_off, model.num_layers, absorbed=absorbed)
 
 
 def test_switched_off_binds_each_node_and_still_pairs_rotations(
