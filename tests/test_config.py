@@ -115,7 +115,7 @@ def test_missing_explicit_config_file(registry, tmp_path: Path) -> None:
 
 def test_non_config_variables_are_not_settings(registry, tmp_path: Path) -> None:
     env = {"GENAI_EP_PLUGINS": "x", "GENAI_EP_TRACE_HOOKS": "1", "GENAI_EP_CACHE": "/tmp/c",
-           "GENAI_EP_PDL": "0"}  # fmt: skip
+           "GENAI_EP_PDL": "0", "GENAI_EP_FUSE": "0"}  # fmt: skip
     load_config(registry, environ=env, cwd=tmp_path)  # no error
 
 

@@ -13,6 +13,10 @@ capture policy, then
   (the device token loop, one synchronisation per ``k`` steps).
 
     python3 tools/profile_native.py --out DIR      # on the H200: DIR/profile_native.json
+
+A/B of the fused QKV commit (one call from the QKV projection's bias to the KV commit, op type
+``QKVRotaryCommit``): ``GENAI_EP_FUSE=0 python3 tools/profile_native.py --out DIR_OFF`` binds
+each node on its own; the JSON records which (``fuse``).
 """
 
 from __future__ import annotations
@@ -124,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ep.model import load_model
     from ep.native import NativeBackend
+    from ep.native.plan import fuse_enabled
     from ep_builtin.capture_warmup import WarmupCapture
     from ep_builtin.kv_seq_major import SeqMajorLayout
 
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = build_or_reuse(spec, Path(s.work), seed=0, weights=None)
     model = load_model(folder)
     results = []
+    fuse = fuse_enabled()
+    print(f"fused QKV commit: {'on' if fuse else 'off (GENAI_EP_FUSE=0)'}")
     for batch in (int(b) for b in s.batch.split(",")):
         backend = NativeBackend(
             model,
@@ -145,13 +152,13 @@ def main(argv: list[str] | None = None) -> int:
               f"op types {r['sum_of_ops_ms']:.3f} ms), step() "
               f"{r['step_wall_ms']:.3f} ms, steps({s.loop}) {loop:.3f} ms/step")  # fmt: skip
         for op, v in r["ops"].items():
-            print(f"  {op:14s} {v['calls']:4d} calls  {v['total_us']:9.1f} us  "
+            print(f"  {op:16s} {v['calls']:4d} calls  {v['total_us']:9.1f} us  "
                   f"{v['per_call_us']:7.2f} us a call")  # fmt: skip
     if s.out:
         out = Path(s.out)
         out.mkdir(parents=True, exist_ok=True)
         payload = {"tool": "profile_native", "machine": machine_info(), "spec": s.spec,
-                   "results": results}  # fmt: skip
+                   "fuse": fuse, "results": results}  # fmt: skip
         (out / "profile_native.json").write_text(json.dumps(payload, indent=1))
     return 0
 

@@ -125,6 +125,9 @@ static __device__ __forceinline__ void set_fault(u32* status, u32 bit) { atomicO
 
 # Headers for fp16/bf16; the kernels are tolerance-tested, so FMA contraction stays on.
 OPTIONS = CompileOptions(cuda_headers=True)
+# No FMA contraction anywhere (library code such as sincosf included): kernels that must store
+# the same bits as another kernel computing the same expressions (rotary and the fused QKV commit).
+EXACT_OPTIONS = CompileOptions(cuda_headers=True, fma=False)
 
 
 class KernelFault(enum.IntFlag):
@@ -204,7 +207,11 @@ def _params(params: str | Sequence[str]) -> tuple[str, ...]:
 
 
 def register_per_dtype(
-    name: str, body: str, params: str | Sequence[str], cpu: Callable[..., None]
+    name: str,
+    body: str,
+    params: str | Sequence[str],
+    cpu: Callable[..., None],
+    options: CompileOptions = OPTIONS,
 ) -> dict[str, KernelSource]:
     """Register ``<name>_<suffix>`` for each float dtype from ``body``.
 
@@ -221,7 +228,7 @@ def register_per_dtype(
                 name=entry,
                 source=source,
                 params=tuple(p.replace("T*", f"{suffix}*") for p in params),
-                options=OPTIONS,
+                options=options,
                 cpu=cpu,
             )
         )

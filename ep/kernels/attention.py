@@ -15,6 +15,13 @@ Kernels
 threads copying kv_heads*head_dim elements of K and of V, in 16-byte vectors when strides and
 addresses allow. The blocks of token 0 also write ``lengths[b] = 1 + max position`` of the row.
 
+``kv_commit_rotary_<dt>``: a layer's whole step between its QKV projection and its attention,
+in the same grid: the projection's bias added (rounded to the dtype, as the Add), q and k rotated
+(`ep.kernels.rotary`'s device code: the same cos/sin and float32 roundings), q stored for the
+attention, rotated k and v written into the caches as ``kv_commit`` writes them, and
+``lengths``. Bitwise what the three launches store; the native executor binds it where the graph
+allows (`ep.native.plan`).
+
 ``kv_attention_<dt>``: causal GQA attention, float32 online softmax. Grid (batch * query tiles,
 kv_heads, splits), 256 threads. A block takes ``q_tile`` consecutive query tokens of one row and
 all ``G = heads/kv_heads`` query heads that share one KV head (R = q_tile*G query rows, so a K/V
@@ -57,6 +64,7 @@ import numpy as np
 from ep.device import Buffer, Device, Stream
 from ep.errors import OpError
 from ep.kernels._common import (
+    EXACT_OPTIONS,
     FLOAT_DTYPES,
     KernelFault,
     aligned,
@@ -71,6 +79,7 @@ from ep.kernels._common import (
     round_up,
     set_fault,
 )
+from ep.kernels.rotary import ROTARY_DEVICE, check_rotation, rotary_twin
 from ep.ops import kv as ref
 from ep.seams import KVStrides
 
@@ -80,6 +89,7 @@ __all__ = [
     "attention_workspace",
     "kv_attention",
     "kv_commit",
+    "kv_commit_rotary",
 ]
 
 _THREADS = 256
@@ -145,8 +155,60 @@ static __device__ __forceinline__ i64 kv_token_base(
 
 # --- KVCommit ----------------------------------------------------------------------------------
 
+# What KVCommit and the fused QKV commit share: each row's length, and where a token goes.
+_COMMIT_DEVICE = r"""
+// lengths[b] = 1 + the row's highest position (0 for padding only). The whole block calls it;
+// ``row_max`` holds 32 i64 of shared memory.
+static __device__ void commit_length(i64* lengths, const void* __restrict__ positions,
+                                     int pos_i64, i64 b, i64 seq, i64* row_max) {
+    i64 best = -1;
+    for (i64 j = threadIdx.x; j < seq; j += blockDim.x) {
+        const i64 p = load_index(positions, b * seq + j, pos_i64);
+        best = p > best ? p : best;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const i64 other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    if ((threadIdx.x & 31) == 0) row_max[threadIdx.x >> 5] = best;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
+            best = row_max[w] > best ? row_max[w] : best;
+        }
+        lengths[b] = best + 1;
+    }
+}
+
+// The cache offset (elements) of new token s of row b (token ``tok`` of the step) at ``pos``, or
+// -1 when it is not written: padding, or a fault (set by thread 0: KV_ORDER is only reported,
+// the token is still written).
+static __device__ i64 commit_slot(i64 b, i64 s, i64 tok, i64 pos,
+                                  const void* __restrict__ positions, int pos_i64,
+                                  const void* __restrict__ block_table, i64 table_cols,
+                                  int kv_heads, int dim, i64 s_batch, i64 s_token, i64 s_head,
+                                  i64 s_dim, i64 s_page, i64 page_size, i64 capacity,
+                                  i64 cache_elems, u32* status) {
+    if (pos < 0) return -1;
+    if (threadIdx.x == 0 && s > 0) {
+        const i64 prev = load_index(positions, tok - 1, pos_i64);
+        if (prev >= 0 && pos <= prev) set_fault(status, 16u);  // KernelFault.KV_ORDER
+    }
+    if (pos >= capacity) {
+        if (threadIdx.x == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
+        return -1;
+    }
+    const i64 span = (i64)(kv_heads - 1) * s_head + (i64)(dim - 1) * s_dim + 1;
+    return kv_token_base(b, pos, reinterpret_cast<const int*>(block_table), table_cols, s_batch,
+                         s_token, s_page, page_size, span, cache_elems, status,
+                         threadIdx.x == 0);
+}
+"""
+
 _COMMIT_BODY = (
     _ADDRESSING
+    + _COMMIT_DEVICE
     + r"""
 extern "C" __global__ void __launch_bounds__(256) kv_commit(
     unsigned char* kcache, unsigned char* vcache, i64* lengths,
@@ -160,40 +222,11 @@ extern "C" __global__ void __launch_bounds__(256) kv_commit(
     if (tok >= batch * seq) return;
     const i64 b = tok / seq;
     const i64 s = tok - b * seq;
-    if (s == 0) {  // lengths[b] = 1 + the row's highest position (0 for padding only)
-        i64 best = -1;
-        for (i64 j = threadIdx.x; j < seq; j += blockDim.x) {
-            const i64 p = load_index(positions, b * seq + j, pos_i64);
-            best = p > best ? p : best;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const i64 other = __shfl_xor_sync(0xffffffffu, best, o);
-            best = other > best ? other : best;
-        }
-        if ((threadIdx.x & 31) == 0) row_max[threadIdx.x >> 5] = best;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            for (int w = 1; w < (int)(blockDim.x >> 5); ++w) {
-                best = row_max[w] > best ? row_max[w] : best;
-            }
-            lengths[b] = best + 1;
-        }
-    }
+    if (s == 0) commit_length(lengths, positions, pos_i64, b, seq, row_max);
     const i64 pos = load_index(positions, tok, pos_i64);
-    if (pos < 0) return;
-    if (threadIdx.x == 0 && s > 0) {
-        const i64 prev = load_index(positions, tok - 1, pos_i64);
-        if (prev >= 0 && pos <= prev) set_fault(status, 16u);  // KernelFault.KV_ORDER
-    }
-    if (pos >= capacity) {
-        if (threadIdx.x == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
-        return;
-    }
-    const i64 span = (i64)(kv_heads - 1) * s_head + (i64)(dim - 1) * s_dim + 1;
-    const i64 base = kv_token_base(b, pos, reinterpret_cast<const int*>(block_table), table_cols,
-                                   s_batch, s_token, s_page, page_size, span, cache_elems,
-                                   status, threadIdx.x == 0);
+    const i64 base = commit_slot(b, s, tok, pos, positions, pos_i64, block_table, table_cols,
+                                 kv_heads, dim, s_batch, s_token, s_head, s_dim, s_page,
+                                 page_size, capacity, cache_elems, status);
     if (base < 0) return;
     const unsigned char* sk = new_k + tok * src_tok * itemsize;
     const unsigned char* sv = new_v + tok * src_tok * itemsize;
@@ -355,6 +388,307 @@ KV_COMMIT_KERNEL = register_one(
     ),
     _commit_cpu,
 )
+
+# --- KVCommit with the q/k rotation and the projection's bias ----------------------------------
+
+_ROTARY_COMMIT_BODY = (
+    ROTARY_DEVICE
+    + _ADDRESSING
+    + _COMMIT_DEVICE
+    + r"""
+// One token's value at feature i of x, plus bias[i] rounded to T when there is a bias (what the
+// projection's Add stores).
+static __device__ __forceinline__ T biased(const T* x, const T* bias, i64 i) {
+    return bias ? from_f32<T>(__fadd_rn(to_f32(x[i]), to_f32(bias[i]))) : x[i];
+}
+
+// One token's ``heads`` heads of (x + bias) into y, feature d of head h at y[h*y_head + d*y_dim]:
+// the first 2*half features of each head rotated (unless ``rotate`` is false), the rest copied.
+static __device__ void rotate_into(T* y, i64 y_head, i64 y_dim, const T* x, const T* bias,
+                                   int heads, int dim, int half, int interleaved, bool rotate,
+                                   const float* cs, const float* sn) {
+    const int pairs = rotate ? half : 0;
+    const int units = pairs + dim - 2 * pairs;  // pairs, then the features that pass through
+    for (int idx = threadIdx.x; idx < heads * units; idx += blockDim.x) {
+        const int h = idx / units;
+        const int j = idx - h * units;
+        const i64 at = (i64)h * dim;
+        T* yh = y + h * y_head;
+        if (j < pairs) {
+            const int a = interleaved ? 2 * j : j;
+            const int b = interleaved ? 2 * j + 1 : j + half;
+            float r1, r2;
+            rotate_pair(to_f32(biased(x, bias, at + a)), to_f32(biased(x, bias, at + b)), cs[j],
+                        sn[j], &r1, &r2);
+            yh[a * y_dim] = from_f32<T>(r1);
+            yh[b * y_dim] = from_f32<T>(r2);
+        } else {
+            const int d = 2 * pairs + (j - pairs);
+            yh[d * y_dim] = biased(x, bias, at + d);
+        }
+    }
+}
+
+// Rotary(q) and Rotary(k) of one projection, then KVCommit(k, v), with the projection's bias
+// Add first when ``has_bias``: one block per token, as each of them.
+extern "C" __global__ void __launch_bounds__(256) KERNEL(
+    T* q_out, i64 q_out_tok, const T* q, i64 q_tok, int heads,
+    const T* k, i64 k_tok, const T* v, i64 v_tok, int kv_heads,
+    const T* bias, int has_bias, i64 q_bias, i64 k_bias, i64 v_bias,
+    const void* __restrict__ positions, int pos_i64,
+    const T* __restrict__ cos_cache, const T* __restrict__ sin_cache,
+    const void* __restrict__ inv_freq, i64 max_pos, int mode, double theta_for_cpu_twin,
+    int dim, int half, int interleaved,
+    T* kcache, T* vcache, i64* lengths, const void* __restrict__ block_table, i64 table_cols,
+    i64 batch, i64 seq, i64 s_batch, i64 s_token, i64 s_head, i64 s_dim, i64 s_page,
+    i64 page_size, i64 capacity, i64 cache_elems, u32* status) {
+    __shared__ float cs[MAX_HALF];
+    __shared__ float sn[MAX_HALF];
+    __shared__ i64 row_max[32];
+    const i64 tok = blockIdx.x;
+    if (tok >= batch * seq) return;
+    const i64 b = tok / seq;
+    const i64 s = tok - b * seq;
+    if (s == 0) commit_length(lengths, positions, pos_i64, b, seq, row_max);
+    const i64 pos = load_index(positions, tok, pos_i64);
+    const bool rotate = rotary_table(cs, sn, pos, mode, max_pos, cos_cache, sin_cache, inv_freq,
+                                     half, status);
+    __syncthreads();
+    rotate_into(q_out + tok * q_out_tok, dim, 1, q + tok * q_tok, has_bias ? bias + q_bias : 0,
+                heads, dim, half, interleaved, rotate, cs, sn);
+    const i64 base = commit_slot(b, s, tok, pos, positions, pos_i64, block_table, table_cols,
+                                 kv_heads, dim, s_batch, s_token, s_head, s_dim, s_page,
+                                 page_size, capacity, cache_elems, status);
+    if (base < 0) return;
+    rotate_into(kcache + base, s_head, s_dim, k + tok * k_tok, has_bias ? bias + k_bias : 0,
+                kv_heads, dim, half, interleaved, rotate, cs, sn);
+    rotate_into(vcache + base, s_head, s_dim, v + tok * v_tok, has_bias ? bias + v_bias : 0,
+                kv_heads, dim, half, interleaved, false, cs, sn);
+}
+"""
+)
+
+
+def _rotary_commit_cpu(
+    q_out: np.ndarray,
+    q_out_tok: np.int64,
+    q: np.ndarray,
+    q_tok: np.int64,
+    heads: np.int32,
+    k: np.ndarray,
+    k_tok: np.int64,
+    v: np.ndarray,
+    v_tok: np.int64,
+    kv_heads: np.int32,
+    bias: np.ndarray,
+    has_bias: np.int32,
+    q_bias: np.int64,
+    k_bias: np.int64,
+    v_bias: np.int64,
+    positions: np.ndarray,
+    pos_i64: np.int32,
+    cos_cache: np.ndarray,
+    sin_cache: np.ndarray,
+    inv_freq: np.ndarray,
+    max_pos: np.int64,
+    mode: np.int32,
+    theta: np.float64,
+    dim: np.int32,
+    half: np.int32,
+    interleaved: np.int32,
+    kcache: np.ndarray,
+    vcache: np.ndarray,
+    lengths: np.ndarray,
+    block_table: np.ndarray,
+    table_cols: np.int64,
+    batch: np.int64,
+    seq: np.int64,
+    s_batch: np.int64,
+    s_token: np.int64,
+    s_head: np.int64,
+    s_dim: np.int64,
+    s_page: np.int64,
+    page_size: np.int64,
+    capacity: np.int64,
+    cache_elems: np.int64,
+    status: np.ndarray,
+) -> None:
+    """The unfused chain's twins in a row: the bias add, `rotary`'s, `kv_commit`'s."""
+    n, d = int(batch) * int(seq), int(dim)
+
+    def source(x: np.ndarray, tok: np.int64, count: np.int32, at: np.int64) -> np.ndarray:
+        per = int(count) * d
+        rows = x[np.arange(n)[:, None] * int(tok) + np.arange(per)[None, :]]
+        if has_bias:  # same-dtype NumPy add, as the native Add's twin: rounded once
+            rows = rows + bias[int(at) : int(at) + per]
+        return np.ascontiguousarray(rows).reshape(-1)
+
+    qs, ks = source(q, q_tok, heads, q_bias), source(k, k_tok, kv_heads, k_bias)
+    vs = source(v, v_tok, kv_heads, v_bias)
+    k_rot = np.empty_like(ks)
+    per_q, per_k = np.int64(int(heads) * d), np.int64(int(kv_heads) * d)
+    rotary_twin(
+        q_out, qs, heads, per_q, q_out_tok, k_rot, ks, kv_heads, per_k, per_k,
+        positions, pos_i64, cos_cache, sin_cache, inv_freq, max_pos, mode, theta,
+        np.int64(n), dim, half, interleaved, status,
+    )  # fmt: skip
+    _commit_cpu(
+        kcache.view(np.uint8), vcache.view(np.uint8), lengths, k_rot.view(np.uint8),
+        vs.view(np.uint8), positions, pos_i64, block_table, table_cols, batch, seq, kv_heads,
+        dim, per_k, s_batch, s_token, s_head, s_dim, s_page, page_size, capacity, cache_elems,
+        np.int32(kcache.dtype.itemsize), np.int32(0), status,
+    )  # fmt: skip
+
+
+ROTARY_COMMIT_KERNELS = register_per_dtype(
+    "kv_commit_rotary",
+    _ROTARY_COMMIT_BODY,
+    (
+        "T* i64 T* i64 i32 T* i64 T* i64 i32 T* i32 i64 i64 i64 void* i32 T* T* void* i64 i32 "
+        "f64 i32 i32 i32 T* T* i64* void* i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 i64 u32*"
+    ),
+    _rotary_commit_cpu,
+    EXACT_OPTIONS,  # as rotary_<dt>: the same bits from the same device code
+)
+
+
+def kv_commit_rotary(
+    dev: Device,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    lengths: Buffer,
+    q_out: Buffer,
+    q: Buffer,
+    k: Buffer,
+    v: Buffer,
+    positions: Buffer,
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    strides: KVStrides,
+    capacity: int,
+    cos_cache: Buffer | None = None,
+    sin_cache: Buffer | None = None,
+    max_positions: int = 0,
+    inv_freq: Buffer | None = None,
+    theta: float = 0.0,
+    rotary_dim: int = 0,
+    interleaved: int = 0,
+    bias: Buffer | None = None,
+    bias_offsets: tuple[int, int, int] = (0, 0, 0),
+    q_token_stride: int = 0,
+    q_out_token_stride: int = 0,
+    k_token_stride: int = 0,
+    v_token_stride: int = 0,
+    block_table: Buffer | None = None,
+    table_cols: int = 0,
+    status: Buffer,
+    stream: Stream,
+) -> None:
+    """`kv_commit` of (rotated k, v) plus q rotated into ``q_out``, in one launch; with ``bias``,
+    ``bias[bias_offsets[i] + c]`` is first added to feature c of q, k and v (rounded to the dtype,
+    as the projection's Add).
+
+    Stores exactly what `ep.kernels.rotary.rotary` (or `rotary_theta`) of q and k followed by
+    `kv_commit` store: the same rounding, faults and ``lengths``. Rotary from cos/sin caches
+    [max_positions, rotary_dim/2] (``cos_cache``, ``sin_cache``, ``max_positions``) or from theta
+    (``inv_freq`` = `rotary_inv_freq` (theta, rotary_dim), and ``theta``). q is [batch, seq, heads,
+    head_dim], k and v [batch, seq, kv_heads, head_dim], each with its own token stride (default:
+    packed), so they may be views into one QKV projection; ``q_out`` may be ``q`` itself.
+    """
+    op = "KVCommitRotary"
+    positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    need(heads > 0 and kv_heads > 0, op, f"heads={heads}, kv_heads={kv_heads} must be > 0")
+    _check_strides(op, strides)
+    table, cols = _cache_checks(
+        op, key_cache, value_cache, strides, capacity, batch, block_table, table_cols
+    )
+    dtype = key_cache.dtype
+    suffix = dtype_suffix(dtype, op)
+    rot = check_rotation(op, head_dim, rotary_dim, interleaved)
+    tokens = batch * seq
+    q_per, kv_per = heads * head_dim, kv_heads * head_dim
+    strided = {
+        "q": (q, q_token_stride or q_per, q_per),
+        "q_out": (q_out, q_out_token_stride or q_per, q_per),
+        "k": (k, k_token_stride or kv_per, kv_per),
+        "v": (v, v_token_stride or kv_per, kv_per),
+    }
+    for name, (buf, tok, per) in strided.items():
+        need(tok >= per, op, f"{name} token stride {tok} must be >= {per}")
+        check_buffer(op, name, buf, (tokens - 1) * tok + per if tokens else 0, dtype)
+    q_tok, q_out_tok = strided["q"][1], strided["q_out"][1]
+    need(
+        (q_out.ptr == q.ptr and q_out_tok == q_tok)
+        or not any(_overlap(q_out, x) for x in (q, k, v)),
+        op,
+        "q_out must be q itself (same token stride) or overlap none of q, k and v",
+    )
+    need(
+        not any(_overlap(c, x) for c in (key_cache, value_cache) for x in (q, k, v, q_out)),
+        op,
+        "q, k, v and q_out must not overlap the caches",
+    )
+    if cos_cache is not None or sin_cache is not None:
+        need(
+            cos_cache is not None and sin_cache is not None and inv_freq is None,
+            op,
+            "pass cos_cache and sin_cache (Rotary), or inv_freq and theta (RotaryTheta)",
+        )
+        assert cos_cache is not None and sin_cache is not None
+        positive(op, max_positions=max_positions)
+        need(max_positions > 0, op, "max_positions must be > 0 with cos/sin caches")
+        check_buffer(op, "cos_cache", cos_cache, max_positions * rot // 2, dtype)
+        check_buffer(op, "sin_cache", sin_cache, max_positions * rot // 2, dtype)
+        mode, cos, sin, freq = 0, cos_cache, sin_cache, cos_cache
+    else:
+        need(
+            inv_freq is not None and theta > 0,
+            op,
+            "pass cos_cache and sin_cache (Rotary), or inv_freq and theta > 0 (RotaryTheta)",
+        )
+        assert inv_freq is not None
+        check_buffer(op, "inv_freq", inv_freq, rot // 2, np.dtype(np.float32))
+        mode, cos, sin, freq = 1, q, q, inv_freq  # no caches: q fills the typed slots
+    if bias is not None:
+        widths = (q_per, kv_per, kv_per)
+        need(
+            all(isinstance(o, int) and o >= 0 for o in bias_offsets),
+            op,
+            f"bias_offsets {bias_offsets!r} must be three non-negative ints (q, k, v)",
+        )
+        top = max(o + w for o, w in zip(bias_offsets, widths, strict=True))
+        check_buffer(op, "bias", bias, top, dtype)
+    pos_i64 = check_index_buffer(op, "positions", positions, tokens)
+    check_buffer(op, "lengths", lengths, batch, np.dtype(np.int64))
+    check_status(op, status)
+    if batch == 0:
+        return
+    if seq == 0:
+        dev.fill(lengths.view(np.int64, (batch,)), 0, stream=stream)
+        return
+    dev.kernel(ROTARY_COMMIT_KERNELS[suffix].name).launch(
+        tokens,
+        _THREADS,
+        q_out, q_out_tok, q, q_tok, heads,
+        k, strided["k"][1], v, strided["v"][1], kv_heads,
+        bias if bias is not None else q, int(bias is not None), *bias_offsets,
+        positions, pos_i64, cos, sin, freq, max_positions if mode == 0 else 0, mode,
+        float(theta), head_dim, rot // 2, interleaved,
+        key_cache, value_cache, lengths, table, cols,
+        batch, seq,
+        strides.batch, strides.token, strides.head, strides.dim, strides.page, strides.page_size,
+        capacity, key_cache.size, status,
+        stream=stream,
+    )  # fmt: skip
+
+
+def _overlap(a: Buffer, b: Buffer) -> bool:
+    return a.ptr < b.ptr + b.nbytes and b.ptr < a.ptr + a.nbytes
+
 
 # --- KVAttention -------------------------------------------------------------------------------
 

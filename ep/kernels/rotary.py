@@ -15,6 +15,11 @@ one ulp off would turn into a visible angle error at position 30k.
 
 A negative position is padding: the token passes through. A position outside the cache sets
 `KernelFault.ROTARY_POSITION` and passes through too (nothing is read out of bounds).
+
+The rotation rounds each product and sum to float32 (``__fmul_rn``/``__fsub_rn``, no FMA), as
+NumPy does; `ROTARY_DEVICE` holds that arithmetic and the cos/sin table for every kernel that
+rotates, and such kernels compile without FMA contraction (`EXACT_OPTIONS`, sincosf included),
+so the fused QKV commit of `ep.kernels.attention` stores exactly what Rotary stores.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 
 from ep.device import Buffer, Device, Stream
 from ep.kernels._common import (
+    EXACT_OPTIONS,
     KernelFault,
     check_buffer,
     check_index_buffer,
@@ -35,14 +41,68 @@ from ep.kernels._common import (
 )
 from ep.ops import rotary as ref
 
-__all__ = ["MAX_ROTARY_DIM", "rotary", "rotary_inv_freq", "rotary_theta"]
+__all__ = [
+    "MAX_ROTARY_DIM",
+    "ROTARY_DEVICE",
+    "check_rotation",
+    "rotary",
+    "rotary_inv_freq",
+    "rotary_theta",
+]
 
 MAX_ROTARY_DIM = 1024  # the shared cos/sin arrays hold rotary_dim/2 floats each
 _THREADS = 256
 
-_BODY = r"""
+# Device code every rotating kernel shares (this one and `ep.kernels.attention`'s fused QKV
+# commit), so both round exactly alike. Needs the prelude and ``T``.
+ROTARY_DEVICE = r"""
 #define MAX_HALF 512
 
+// y1 = x1*c - x2*s, y2 = x2*c + x1*s with every product and sum rounded to float32 (no FMA
+// contraction), as the NumPy reference computes them.
+static __device__ __forceinline__ void rotate_pair(float x1, float x2, float c, float s,
+                                                   float* y1, float* y2) {
+    *y1 = __fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s));
+    *y2 = __fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s));
+}
+
+// The token's cos/sin of pairs 0..half-1 into the shared ``cs``/``sn`` (every thread calls it; a
+// __syncthreads must come before they are read). Returns whether the token rotates: a negative
+// position is padding; one outside the cache (mode 0) sets KernelFault.ROTARY_POSITION.
+static __device__ bool rotary_table(float* cs, float* sn, i64 pos, int mode, i64 max_pos,
+                                    const T* __restrict__ cos_cache,
+                                    const T* __restrict__ sin_cache,
+                                    const void* __restrict__ inv_freq, int half, u32* status) {
+    bool rotate = pos >= 0;
+    if (rotate && mode == 0 && pos >= max_pos) {
+        rotate = false;
+        if (threadIdx.x == 0) set_fault(status, 2u);  // KernelFault.ROTARY_POSITION
+    }
+    if (rotate) {
+        const float* freq = reinterpret_cast<const float*>(inv_freq);
+        for (int i = threadIdx.x; i < half; i += blockDim.x) {
+            float c, s;
+            if (mode == 0) {
+                c = to_f32(cos_cache[pos * half + i]);
+                s = to_f32(sin_cache[pos * half + i]);
+            } else {
+                // rounded once, as NumPy's float32 product: sincosf sees the reference's angle
+                const float angle = __fmul_rn((float)pos, freq[i]);
+                sincosf(angle, &s, &c);
+                c = to_f32(from_f32<T>(c));  // as a cache of dtype T would hold them
+                s = to_f32(from_f32<T>(s));
+            }
+            cs[i] = c;
+            sn[i] = s;
+        }
+    }
+    return rotate;
+}
+"""
+
+_BODY = (
+    ROTARY_DEVICE
+    + r"""
 static __device__ void rotate_tensor(T* y, const T* x, int heads, i64 x_tok, i64 y_tok, i64 tok,
                                      int dim, int half, int interleaved, bool rotate,
                                      const float* cs, const float* sn) {
@@ -65,10 +125,10 @@ static __device__ void rotate_tensor(T* y, const T* x, int heads, i64 x_tok, i64
         if (j < half) {
             const int a = interleaved ? 2 * j : j;
             const int b = interleaved ? 2 * j + 1 : j + half;
-            const float x1 = to_f32(xh[a]), x2 = to_f32(xh[b]);
-            const float c = cs[j], s = sn[j];
-            yh[a] = from_f32<T>(x1 * c - x2 * s);
-            yh[b] = from_f32<T>(x2 * c + x1 * s);
+            float r1, r2;
+            rotate_pair(to_f32(xh[a]), to_f32(xh[b]), cs[j], sn[j], &r1, &r2);
+            yh[a] = from_f32<T>(r1);
+            yh[b] = from_f32<T>(r2);
         } else {
             const int d = rot + (j - half);
             yh[d] = xh[d];
@@ -88,40 +148,21 @@ extern "C" __global__ void __launch_bounds__(256) KERNEL(
     const i64 tok = blockIdx.x;
     if (tok >= tokens) return;
     const i64 pos = load_index(positions, tok, pos_i64);
-    bool rotate = pos >= 0;
-    if (rotate && mode == 0 && pos >= max_pos) {
-        rotate = false;
-        if (threadIdx.x == 0) set_fault(status, 2u);  // KernelFault.ROTARY_POSITION
-    }
-    if (rotate) {
-        const float* freq = reinterpret_cast<const float*>(inv_freq);
-        for (int i = threadIdx.x; i < half; i += blockDim.x) {
-            float c, s;
-            if (mode == 0) {
-                c = to_f32(cos_cache[pos * half + i]);
-                s = to_f32(sin_cache[pos * half + i]);
-            } else {
-                const float angle = (float)pos * freq[i];
-                sincosf(angle, &s, &c);
-                c = to_f32(from_f32<T>(c));  // as a cache of dtype T would hold them
-                s = to_f32(from_f32<T>(s));
-            }
-            cs[i] = c;
-            sn[i] = s;
-        }
-    }
+    const bool rotate = rotary_table(cs, sn, pos, mode, max_pos, cos_cache, sin_cache, inv_freq,
+                                     half, status);
     __syncthreads();
     rotate_tensor(y1, x1, heads1, x1_tok, y1_tok, tok, dim, half, interleaved, rotate, cs, sn);
     rotate_tensor(y2, x2, heads2, x2_tok, y2_tok, tok, dim, half, interleaved, rotate, cs, sn);
 }
 """
+)
 
 
 def _token_index(tokens: int, per_token: int, stride: int) -> np.ndarray:
     return np.arange(tokens)[:, None] * stride + np.arange(per_token)[None, :]
 
 
-def _cpu(
+def rotary_twin(
     y1: np.ndarray,
     x1: np.ndarray,
     heads1: np.int32,
@@ -146,6 +187,7 @@ def _cpu(
     interleaved: np.int32,
     status: np.ndarray,
 ) -> None:
+    """The NumPy twin of ``rotary_<dt>`` (the fused QKV commit's twin runs it too)."""
     n, d, h = int(tokens), int(dim), int(half)
     pos = positions.view(np.int64 if pos_i64 else np.int32)[:n].astype(np.int64)
     if mode == 0:
@@ -183,7 +225,8 @@ ROTARY_KERNELS = register_per_dtype(
     "rotary",
     _BODY,
     ("T* T* i32 i64 i64 T* T* i32 i64 i64 void* i32 T* T* void* i64 i32 f64 i64 i32 i32 i32 u32*"),
-    _cpu,
+    rotary_twin,
+    EXACT_OPTIONS,  # the fused QKV commit rotates with the same code: the same bits
 )
 
 
@@ -198,6 +241,18 @@ def rotary_inv_freq(dev: Device, theta: float, rotary_dim: int, *, stream: Strea
     )
     values = ref._inv_freq(theta, rotary_dim)  # the reference's own float32 values
     return dev.to_device(values, stream=stream, name=f"inv_freq-{theta:g}-{rotary_dim}")
+
+
+def check_rotation(op: str, head_dim: int, rotary_dim: int, interleaved: int) -> int:
+    """The rotated features per head (``rotary_dim`` 0: head_dim), checked; ``interleaved`` 0/1."""
+    rot = rotary_dim or head_dim
+    need(
+        0 < rot <= head_dim and rot % 2 == 0 and rot <= MAX_ROTARY_DIM,
+        op,
+        f"rotary_dim={rot} must be even, in (0, head_dim={head_dim}] and at most {MAX_ROTARY_DIM}",
+    )
+    need(interleaved in (0, 1), op, f"interleaved={interleaved!r} must be 0 or 1")
+    return rot
 
 
 def _launch(
@@ -228,13 +283,7 @@ def _launch(
     stream: Stream,
 ) -> None:
     positive(op, batch=batch, seq=seq, heads=heads, head_dim=head_dim, kv_heads=kv_heads)
-    rot = rotary_dim or head_dim
-    need(
-        0 < rot <= head_dim and rot % 2 == 0 and rot <= MAX_ROTARY_DIM,
-        op,
-        f"rotary_dim={rot} must be even, in (0, head_dim={head_dim}] and at most {MAX_ROTARY_DIM}",
-    )
-    need(interleaved in (0, 1), op, f"interleaved={interleaved!r} must be 0 or 1")
+    rot = check_rotation(op, head_dim, rotary_dim, interleaved)
     suffix = dtype_suffix(x.dtype, op)
     tokens = batch * seq
     targets = [(out, x, heads, strides)]

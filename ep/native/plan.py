@@ -20,6 +20,14 @@ each fetching its piece right before its kernel. A MatMul piece computes output 
 straight into the output row), then a 2-D copy into the output's columns; every piece passes
 ``split_n`` = the whole N, so each column gets the K split, and the arithmetic, of the unsplit
 product. A Gather piece writes the rows of the ids inside its vocabulary rows.
+
+Fusion: q's and k's rotations of one layer run as one launch (`StepPlan._rotary_pairs`). Where the
+graph allows it exactly, the step from the QKV projection to the attention is one call
+(`ep.kernels.attention.kv_commit_rotary`, named ``QKVRotaryCommit`` in `call_names`): the packed
+projection's bias ``Add`` (when its sum feeds nothing but the q/k/v views), the rotation pair and
+the ``KVCommit`` of the rotated k (when nothing else reads it) — bitwise what the separate calls
+store, without the biased sum and the rotated k ever reaching memory (they get no arena bytes).
+``GENAI_EP_FUSE=0`` (`FUSE_ENV`, read when a plan is made) binds every node on its own.
 """
 
 from __future__ import annotations
@@ -27,26 +35,40 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ep.device import Buffer, Device, Stream
-from ep.errors import ModelError
+from ep.errors import ConfigError, ModelError
 from ep.native import _kernels as nk
 from ep.native.program import Node, Program
 from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["KVBinding", "StepPlan", "WeightRead", "split_specs", "weight_reads"]
+__all__ = ["FUSE_ENV", "KVBinding", "StepPlan", "WeightRead", "fuse_enabled", "split_specs",
+           "weight_reads"]  # fmt: skip
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
 _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no weight read
 # Inputs a node's kernel reads (the rest are the runtime's KV cache and geometry, bound apart).
 _KERNEL_INPUTS = {"KVCommit": 3, "KVCommitPaged": 3, "KVAttention": 3, "KVAttentionPaged": 3}
+_COMMITS = ("KVCommit", "KVCommitPaged")
+FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), for A/B runs
+
+
+def fuse_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether plans fuse a layer's bias/rotary/commit chain (`FUSE_ENV`: unset or 1 yes, 0 no)."""
+    value = (os.environ if environ is None else environ).get(FUSE_ENV, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(
+            f"{FUSE_ENV}={value!r}; expected 0 (bind each node on its own) or 1 (fuse, the default)"
+        )
+    return value != "0"
 
 
 @dataclass(frozen=True)
@@ -233,6 +255,26 @@ class _Value:
 
 
 @dataclass(frozen=True)
+class _QKVFusion:
+    """One layer's [bias Add ->] Rotary(q) + Rotary(k) -> KVCommit(rotated k, v), one call.
+
+    ``first``/``last``: the node indices it spans; every working node between them is one of
+    its own (the views in between cost nothing), so its call may run at ``first``.
+    """
+
+    add: Node | None  # the packed projection's bias Add, when its sum feeds only q, k and v
+    q: Node
+    k: Node
+    commit: Node
+    first: int
+    last: int
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return tuple(n for n in (self.add, self.q, self.k, self.commit) if n is not None)
+
+
+@dataclass(frozen=True)
 class KVBinding:
     """What the KV ops of one step are bound to."""
 
@@ -262,6 +304,7 @@ class StepPlan:
         inv_freq: dict[tuple[float, int], Buffer],
         split_attention: bool,
         max_context: int,
+        fuse: bool | None = None,
     ) -> None:
         self.program = program
         self.device = device
@@ -281,6 +324,9 @@ class StepPlan:
         self.values: dict[str, _Value] = {}
         self.aliases: dict[str, str] = {}
         self._infer()
+        # the fused QKV commits (``fuse`` None: as `FUSE_ENV` says); the arena depends on them
+        self.fuse = fuse_enabled() if fuse is None else fuse
+        self.fusions = self._qkv_fusions() if self.fuse else []
         self._assign(tag)
         out = self.values[program.output]
         self.logits = device.alloc(out.shape, out.dtype, stream=stream, name=f"logits:{tag}")
@@ -410,6 +456,21 @@ class StepPlan:
                     last.setdefault(name, i)
         output = self.values[self.program.output].base
         last[output] = len(self.program.nodes)
+        nodes = self.program.nodes
+        for fusion in self.fusions:
+            # One call reads and writes at once: what the span reads lives to its end, what it
+            # writes from its start (so nothing it writes reuses bytes it still reads).
+            for node in nodes[fusion.first : fusion.last + 1]:
+                for name in node.inputs:
+                    v = self.values.get(name)
+                    if v is not None:
+                        last[v.base] = max(last[v.base], fusion.last)
+                for name in node.outputs:
+                    v = self.values.get(name)
+                    if v is not None and v.base == name:
+                        first[name] = min(first[name], fusion.first)
+            for name in self._unwritten(fusion):
+                first.pop(name, None)
         live: list[tuple[int, int, int]] = []  # (offset, nbytes, last)
         offsets: dict[str, int] = {}
         top = 0
@@ -488,21 +549,34 @@ class StepPlan:
         self.call_names = []
         pairs = self._rotary_pairs()
         joined = {k.name for k in pairs.values()}
-        for node in self.program.nodes:
-            if node.op in _VIEWS or node.name in joined:
+        nodes = self.program.nodes
+        fused_at = {nodes[f.first].name: f for f in self.fusions}
+        absorbed = {n.name for f in self.fusions for n in f.nodes} - set(fused_at)
+        for node in nodes:
+            if node.op in _VIEWS or node.name in joined or node.name in absorbed:
                 continue
-            call = self._bind_node(node, kv, pairs.get(node.name))
+            fusion = fused_at.get(node.name)
+            if fusion is not None:
+                call: Callable[[], object] = self._bind_fusion(fusion, kv)
+                name = f"QKVRotaryCommit:{fusion.commit.name}"
+            else:
+                call = self._bind_node(node, kv, pairs.get(node.name))
+                name = f"{node.op}:{node.name}"
             if isinstance(call, functools.partial) and any(
                 isinstance(a, _Deferred) for a in (*call.args, *call.keywords.values())
             ):
                 call = _FetchingCall(call, self.weights, self.stream)
             calls.append(call)
-            self.call_names.append(f"{node.op}:{node.name}")
+            self.call_names.append(name)
         return calls
 
     def _rotary_pairs(self) -> dict[str, Node]:
         """Rotary nodes that run as one launch with the next one (q's rotation takes k's along):
-        same op, positions, tables and attributes, and k's input computed before q's rotation."""
+        same op, positions, tables and attributes, k's input computed before q's rotation, and
+        only views between them (k is written early: nothing in between may use its bytes).
+
+        Storage, not names, is compared: in an fp16/bf16 graph each rotation reads and writes
+        through its own BitCast carriers, which are views of the same values."""
         nodes = self.program.nodes
         made = {out: i for i, n in enumerate(nodes) for out in n.outputs}
         pairs: dict[str, Node] = {}
@@ -515,15 +589,181 @@ class StepPlan:
             qx, kx = self.values[q.inputs[0]], self.values[k.inputs[0]]
             if (
                 q.op == k.op
-                and q.inputs[1:] == k.inputs[1:]
+                and self._resolved(q.inputs[1:]) == self._resolved(k.inputs[1:])
                 and _math_attrs(q) == _math_attrs(k)
                 and qx.shape[-1] == kx.shape[-1]
-                and made.get(k.inputs[0], -1) < i
-                and q.outputs[0] not in k.inputs
+                and made.get(kx.base, -1) < i
+                and self.values[q.outputs[0]].base != kx.base
+                and all(nodes[n].op in _VIEWS for n in range(i + 1, j))
             ):
                 pairs[q.name] = k
                 taken.add(k.name)
         return pairs
+
+    def _resolved(self, names: tuple[str, ...]) -> tuple[str, ...]:
+        """``names`` with BitCast/Identity carriers of initializers read as the initializers."""
+        return tuple(self.aliases.get(n, n) for n in names)
+
+    def _qkv_fusions(self) -> list[_QKVFusion]:
+        """Every layer whose [bias Add ->] rotation pair -> KVCommit chain runs as one call.
+
+        Per rotation pair (same op, positions, tables and attributes: `_rotary_pairs`): the
+        rotated k is read by one KVCommit only, as its K, and is not the graph's output; that
+        commit takes the rotations' positions; q, k and v have one dtype, k and v one shape; no
+        other working node runs between the chain's first and last node; and what the chain
+        reads is made before it starts. The bias Add joins when q, k and v are views of its sum,
+        which nothing else reads, and its bias is a 1-D initializer over the last axis.
+        """
+        nodes = self.program.nodes
+        index = {n.name: i for i, n in enumerate(nodes)}
+        made = {out: i for i, n in enumerate(nodes) for out in n.outputs}
+        readers: dict[str, list[tuple[int, int]]] = {}  # storage -> (node, input slot) reading it
+        for i, node in enumerate(nodes):
+            if node.op in _VIEWS:
+                continue
+            for slot, name in enumerate(node.inputs):
+                v = self.values.get(name)
+                if v is not None:
+                    readers.setdefault(v.base, []).append((i, slot))
+        output = self.values[self.program.output].base
+        found: list[_QKVFusion] = []
+        for q_name, k in self._rotary_pairs().items():
+            fusion = self._qkv_fusion(
+                index[q_name], index[k.name], readers=readers, made=made, output=output
+            )
+            if fusion is not None:
+                found.append(fusion)
+        return found
+
+    def _qkv_fusion(
+        self,
+        i: int,
+        j: int,
+        *,
+        readers: dict[str, list[tuple[int, int]]],
+        made: dict[str, int],
+        output: str,
+    ) -> _QKVFusion | None:
+        """The fusion of the rotation pair at nodes ``i`` (q) and ``j`` (k), or None."""
+        nodes, values = self.program.nodes, self.values
+        q, k = nodes[i], nodes[j]
+        rotated = values[k.outputs[0]].base
+        use = readers.get(rotated, [])
+        if rotated == output or len(use) != 1 or use[0][1] != 0:
+            return None
+        c = use[0][0]
+        commit = nodes[c]
+        if commit.op not in _COMMITS or c < j:
+            return None
+        if self._resolved(commit.inputs[2:3]) != self._resolved(q.inputs[1:2]):
+            return None  # one positions buffer for the rotation and the commit
+        xs = [values.get(n) for n in (q.inputs[0], k.inputs[0], commit.inputs[1])]
+        if any(x is None or len(x.shape) != 4 for x in xs):
+            return None
+        qx, kx, vx = xs
+        assert qx is not None and kx is not None and vx is not None
+        if (
+            kx.shape != vx.shape
+            or qx.shape[:2] != kx.shape[:2]
+            or qx.shape[3] != kx.shape[3]
+            or not qx.dtype == kx.dtype == vx.dtype
+        ):
+            return None
+        add, first = None, i
+        source = qx.base
+        producer = made.get(source, -1)
+        if (
+            kx.base == source
+            and vx.base == source
+            and source != output
+            and producer >= 0
+            and nodes[producer].op == "Add"
+            and sorted(readers.get(source, [])) == sorted([(i, 0), (j, 0), (c, 1)])
+            and self._bias_ok(nodes[producer])
+        ):
+            add, first = nodes[producer], producer
+        members = {first, i, j, c}
+        if any(nodes[n].op not in _VIEWS for n in range(first, c + 1) if n not in members):
+            return None  # another node runs inside the chain
+        inside = {values[add.outputs[0]].base} if add is not None else set()
+        if any(made.get(x.base, -1) >= first and x.base not in inside for x in (qx, kx, vx)):
+            return None  # q, k or v is made inside the chain (by the chain itself)
+        return _QKVFusion(add, q, k, commit, first, c)
+
+    def _unwritten(self, fusion: _QKVFusion) -> list[str]:
+        """The storage a fusion never writes: the rotated k, and the biased sum when fused."""
+        names = [self.values[fusion.k.outputs[0]].base]
+        if fusion.add is not None:
+            names.append(self.values[fusion.add.outputs[0]].base)
+        return names
+
+    def _bias_ok(self, node: Node) -> bool:
+        """An Add of a 1-D bias initializer over x's last axis (all the native Add does)."""
+        x = self.values.get(node.inputs[0])
+        bias = self.program.arrays.get(self.aliases.get(node.inputs[1], node.inputs[1]))
+        return (
+            x is not None and bias is not None and bias.ndim == 1 and bias.shape[0] == x.shape[-1]
+        )
+
+    def _rotary_args(self, node: Node) -> dict[str, Any]:
+        """The table arguments of a Rotary / RotaryTheta node's kernel (caches, or theta)."""
+        from ep.kernels import rotary
+
+        a = node.attrs
+        interleaved = int(a["interleaved"])
+        if node.op == "Rotary":
+            cos = self.buffer(node.inputs[2])
+            return dict(
+                cos_cache=cos, sin_cache=self.buffer(node.inputs[3]),
+                max_positions=int(cos.shape[0]), rotary_dim=2 * int(cos.shape[1]),
+                interleaved=interleaved,
+            )  # fmt: skip
+        rot = int(a["rotary_dim"]) or self.values[node.inputs[0]].shape[-1]
+        key = (float(a["theta"]), rot)
+        if key not in self.inv_freq:
+            self.inv_freq[key] = rotary.rotary_inv_freq(
+                self.device, key[0], rot, stream=self.stream
+            )
+        return dict(
+            inv_freq=self.inv_freq[key], theta=key[0], rotary_dim=rot, interleaved=interleaved
+        )
+
+    def _bind_fusion(self, fusion: _QKVFusion, kv: KVBinding) -> Callable[[], object]:
+        """``fusion`` as one `ep.kernels.attention.kv_commit_rotary` call (it fetches its
+        weights in the unfused order: the bias, then the rotation's cos/sin tables)."""
+        from ep.kernels import attention
+
+        buf, values = self.buffer, self.values
+        q, k, commit, add = fusion.q, fusion.k, fusion.commit, fusion.add
+        names = (q.inputs[0], k.inputs[0], commit.inputs[1])
+        qx, kx, vx = (values[n] for n in names)
+        if add is None:
+            q_src, k_src, v_src = (buf(n) for n in names)
+            bias, offsets = None, (0, 0, 0)
+        else:
+            # The views' places in the Add's sum are their places in its unbiased input (same
+            # shape, contiguous: `_bind_node` checks the Add the same way).
+            packed_name = add.inputs[0]
+            self._contiguous(add, packed_name)
+            packed = buf(packed_name)
+            item = packed.dtype.itemsize
+            offsets = (qx.offset, kx.offset, vx.offset)
+            q_src, k_src, v_src = (
+                packed.view(packed.dtype, offset=o * item, name=f"{packed.name}+{o}")
+                for o in offsets
+            )
+            bias = buf(add.inputs[1])
+        layer = int(commit.attrs["layer"])
+        return functools.partial(
+            attention.kv_commit_rotary, self.device, kv.keys[layer], kv.values[layer],
+            buf(commit.outputs[0]), buf(q.outputs[0]), q_src, k_src, v_src, buf(commit.inputs[2]),
+            batch=self.batch, seq=self.seq, heads=qx.shape[2], kv_heads=kx.shape[2],
+            head_dim=qx.shape[3], strides=kv.strides, capacity=kv.capacity,
+            bias=bias, bias_offsets=offsets, **self._rotary_args(q), q_token_stride=qx.tok,
+            q_out_token_stride=values[q.outputs[0]].tok, k_token_stride=kx.tok,
+            v_token_stride=vx.tok, block_table=kv.block_table, table_cols=kv.table_cols,
+            status=self.status, stream=self.stream,
+        )  # fmt: skip
 
     def _split(self, name: str) -> SplitWeight | None:
         split = getattr(self.weights, "split", None)
@@ -666,8 +906,7 @@ class StepPlan:
             )  # fmt: skip
         if op == "Add":
             x = self._contiguous(node, ins[0])
-            bias = self.program.arrays.get(self.aliases.get(ins[1], ins[1]))
-            if bias is None or bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
+            if not self._bias_ok(node):
                 raise ModelError(
                     f"{node.name}: the native executor adds a 1-D bias initializer of "
                     f"{x.shape[-1]} to the last axis only"
@@ -685,7 +924,7 @@ class StepPlan:
             x = self.values[ins[0]]
             _, _, heads, head_dim = x.shape
             common: dict[str, Any] = dict(
-                batch=b, seq=s, heads=heads, head_dim=head_dim, interleaved=int(a["interleaved"]),
+                batch=b, seq=s, heads=heads, head_dim=head_dim,
                 x_token_stride=x.tok, out_token_stride=self.values[outs[0]].tok,
                 status=self.status, stream=st,
             )  # fmt: skip
@@ -695,19 +934,10 @@ class StepPlan:
                     k_out=buf(joined.outputs[0]), k=buf(joined.inputs[0]), kv_heads=kx.shape[2],
                     k_token_stride=kx.tok, k_out_token_stride=self.values[joined.outputs[0]].tok,
                 )  # fmt: skip
-            if op == "Rotary":
-                cos = buf(ins[2])
-                return functools.partial(
-                    rotary.rotary, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]), cos, buf(ins[3]),
-                    max_positions=int(cos.shape[0]), rotary_dim=2 * int(cos.shape[1]), **common,
-                )  # fmt: skip
-            rot = int(a["rotary_dim"]) or head_dim
-            key = (float(a["theta"]), rot)
-            if key not in self.inv_freq:
-                self.inv_freq[key] = rotary.rotary_inv_freq(dev, key[0], rot, stream=st)
+            kernel = rotary.rotary if op == "Rotary" else rotary.rotary_theta
             return functools.partial(
-                rotary.rotary_theta, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]),
-                self.inv_freq[key], theta=key[0], rotary_dim=rot, **common,
+                kernel, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]), **self._rotary_args(node),
+                **common,
             )  # fmt: skip
         if op in ("KVCommit", "KVCommitPaged"):
             kv_k, kv_v = self.values[ins[0]], self.values[ins[1]]

@@ -1,0 +1,330 @@
+"""The fused QKV commit in the native plan: where it applies, it changes no bit; where the graph
+does not allow it, nothing is fused.
+
+Each model runs twice on the CPU device, ``GENAI_EP_FUSE=0`` and default, and the logits of
+every step must be bitwise equal: the tiny genai model built in the ep flavour (RotaryTheta, no
+bias) and rewritten from its onnxruntime-genai export (Rotary over cos/sin caches), in every KV
+layout, solo and a batch of prompts of different lengths; a Qwen2-style spec model (q/k/v bias)
+in float32 and bfloat16 (whose ops read and write through BitCast carriers). Negative oracles:
+a second reader of the rotated k or of the biased sum, a working node inside the chain, q and k
+rotations that differ, and the rotated k as the graph's output each keep that layer unfused
+(and still right).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ep.device import cuda_available
+from ep.errors import ConfigError
+from ep.model import DecoderModel, load_model
+from ep.native import NativeBackend, as_ep_model
+from ep.native.plan import FUSE_ENV, StepPlan
+from ep.native.program import Node, Program
+from ep.seams import KVLayout
+from ep_builtin.capture_warmup import WarmupCapture
+from ep_builtin.kv_head_major import HeadMajorLayout
+from ep_builtin.kv_paged import PagedLayout
+from ep_builtin.kv_seq_major import SeqMajorLayout
+from ep_builtin.offload_stream import StreamPolicy
+from ep_graphs import ModelSpec, build_model, random_weights
+
+TINY = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
+PROMPTS: list[list[int]] = json.loads((TINY / "expected_tokens.json").read_text())["prompts"]
+STEPS = 12  # past the first capacity bucket (16): growth inside the run
+FUSED = "QKVRotaryCommit"
+LAYOUTS: dict[str, Callable[[], KVLayout]] = {
+    "head_major": lambda: HeadMajorLayout(min_capacity=16),
+    "seq_major": lambda: SeqMajorLayout(min_capacity=16),
+    "seq_major_fixed": lambda: SeqMajorLayout(min_capacity=16, fixed_stride=True),
+    "paged": lambda: PagedLayout(page_size=4, min_capacity=8),
+}
+QWEN = ModelSpec.parse(
+    "hidden=64,layers=2,heads=4,kv_heads=2,vocab=512,intermediate=96,theta=1000000,eps=1e-6,"
+    "context=64"
+)
+
+
+@pytest.fixture(scope="module")
+def genai_ep(tmp_path_factory: pytest.TempPathFactory) -> DecoderModel:
+    """genai-fp32 (GroupQueryAttention) rewritten to the ep flavour: Rotary over caches."""
+    return as_ep_model(load_model(TINY / "genai-fp32"), tmp_path_factory.mktemp("rewrite"))
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], DecoderModel]]:
+    """``qwen(dtype)``: a Qwen2-style spec model (q/k/v bias, theta 1e6), built once a dtype."""
+    built: dict[str, DecoderModel] = {}
+
+    def get(dtype: str) -> DecoderModel:
+        if dtype not in built:
+            spec = dataclasses.replace(QWEN, qkv_bias=True, model_type="qwen2", dtype=dtype)
+            out = tmp_path_factory.mktemp(f"qwen-{dtype}")
+            build_model(spec, random_weights(spec, seed=3), flavour="ep", out_dir=out)
+            built[dtype] = load_model(out)
+        return built[dtype]
+
+    yield get
+
+
+@dataclasses.dataclass
+class Run:
+    logits: np.ndarray  # [steps + 1, batch, vocab]: prefill's last logits, then every step's
+    plans: list[StepPlan]
+
+
+def run(
+    model: DecoderModel,
+    layout: str,
+    prompts: Sequence[Sequence[int]],
+    *,
+    fuse: bool,
+    program: Program | None = None,
+    capture: bool = False,
+    offload: Any = None,
+    device: str = "cpu",
+) -> Run:
+    """Greedy ``STEPS`` steps with the fusion on or off; ``program`` replaces the model's graph,
+    ``offload`` (a policy) places the weights in a store at a 100 % budget."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(FUSE_ENV, "1" if fuse else "0")
+        backend = NativeBackend(
+            model, LAYOUTS[layout](), capture=WarmupCapture(steps=1) if capture else None,
+            offload=offload, budget="100%" if offload is not None else None, device=device,
+        )  # fmt: skip
+        if program is not None:
+            backend.program = program  # plans are made at first use: they read this one
+        logits = backend.prefill([np.array(p) % model.vocab_size for p in prompts])
+        seen = [logits.copy()]
+        for _ in range(STEPS):
+            logits = backend.step(logits.argmax(axis=1))
+            seen.append(logits.copy())
+    if capture:
+        m = backend.capture_metrics
+        assert m.captures > 0 and m.replays > 0 and m.fallbacks == 0
+    if offload is not None:
+        backend.close()
+    return Run(np.stack(seen), list(backend._plans.values()))
+
+
+def op_counts(plan: StepPlan) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for name in plan.call_names:
+        op = name.split(":")[0]
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+def fused_layers(plan: StepPlan) -> list[int]:
+    return sorted(int(f.commit.attrs["layer"]) for f in plan.fusions)
+
+
+def assert_fused_everywhere(fused: Run, unfused: Run, layers: int, absorbed: int) -> None:
+    """Bitwise the same logits; per plan one fused call a layer, ``absorbed`` fewer calls each."""
+    assert np.array_equal(fused.logits, unfused.logits)
+    assert len(fused.plans) == len(unfused.plans) >= 2  # prefill and decode
+    for on, off in zip(fused.plans, unfused.plans, strict=True):
+        assert (on.batch, on.seq) == (off.batch, off.seq)
+        assert op_counts(on).get(FUSED) == layers and FUSED not in op_counts(off)
+        assert len(on.call_names) == len(off.call_names) - absorbed * layers
+        for op in ("Add", "Rotary", "RotaryTheta", "KVCommit"):
+            assert op not in op_counts(on)
+
+
+# --- fused == unfused ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[:3]], ids=["solo", "batch3"])
+@pytest.mark.parametrize("model_name", ["tiny_ep", "genai_ep"])
+def test_fused_logits_are_the_unfused_bits(
+    request: pytest.FixtureRequest, model_name: str, layout: str, prompts: list[list[int]]
+) -> None:
+    model: DecoderModel = request.getfixturevalue(model_name)
+    unfused = run(model, layout, prompts, fuse=False)
+    fused = run(model, layout, prompts, fuse=True)
+    # no bias: the rotation pair and the commit become one call (one fewer a layer)
+    assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=1)
+
+
+def test_captured_fused_step_replays_the_unfused_bits(tiny_ep: DecoderModel) -> None:
+    unfused = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=False)
+    fused = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=True, capture=True)
+    assert_fused_everywhere(fused, unfused, tiny_ep.num_layers, absorbed=1)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "seq_major_fixed", "paged"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_biased_projection_is_fused_bitwise(
+    qwen: Callable[[str], DecoderModel], dtype: str, layout: str
+) -> None:
+    model = qwen(dtype)
+    unfused = run(model, layout, PROMPTS[:3], fuse=False)
+    fused = run(model, layout, PROMPTS[:3], fuse=True)
+    # the bias Add joins too: Add, the rotation pair and the commit are one call
+    assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=2)
+    for on, off in zip(fused.plans, unfused.plans, strict=True):
+        # the biased sum and the rotated k are never written: no arena slots for them
+        for fusion in on.fusions:
+            assert fusion.add is not None
+            sums = {on.values[n].base for n in (fusion.add.outputs[0], fusion.k.outputs[0])}
+            assert sums.isdisjoint(on.offsets) and sums <= set(off.offsets)
+
+
+def test_streamed_bias_is_fetched_by_the_fused_call(qwen: Callable[[str], DecoderModel]) -> None:
+    """The bias streamed by the store (not bound once): the fused call fetches it, captured."""
+    model = qwen("fp32")
+    policy = StreamPolicy()
+    unfused = run(model, "head_major", PROMPTS[:3], fuse=False)
+    fused = run(model, "head_major", PROMPTS[:3], fuse=True, capture=True, offload=policy)
+    assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=2)
+    for plan in fused.plans:
+        assert not any(name.endswith(".bias") for name in plan.bound_weights)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["seq_major_fixed", "paged"])
+@pytest.mark.parametrize("model_name", ["qwen_bf16", "genai_ep"])
+def test_cuda_fused_logits_are_the_unfused_bits(
+    request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str,
+    layout: str,
+) -> None:  # fmt: skip
+    """On the GPU (weights prepacked, the real kernels): bitwise, batched (captured) and solo."""
+    ok, reason = cuda_available()  # raises on a present-but-broken driver: that must fail
+    if not ok:
+        pytest.skip(reason)
+    model = qwen("bf16") if model_name == "qwen_bf16" else request.getfixturevalue(model_name)
+    absorbed = 2 if model_name == "qwen_bf16" else 1
+    unfused = run(model, layout, PROMPTS[:3], fuse=False, device="cuda")
+    capture = layout == "seq_major_fixed"  # the layout the H200 benchmarks capture
+    fused = run(model, layout, PROMPTS[:3], fuse=True, device="cuda", capture=capture)
+    assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=absorbed)
+    solo_off = run(model, layout, PROMPTS[1:2], fuse=False, device="cuda")
+    solo_on = run(model, layout, PROMPTS[1:2], fuse=True, device="cuda")
+    assert_fused_everywhere(solo_on, solo_off, model.num_layers, absorbed=absorbed)
+
+
+def test_switched_off_binds_each_node_and_still_pairs_rotations(
+    qwen: Callable[[str], DecoderModel],
+) -> None:
+    """``GENAI_EP_FUSE=0``: the Add, one rotation launch (q takes k along, also through the
+    bf16 graph's BitCast carriers) and the commit, per layer."""
+    model = qwen("bf16")
+    off = run(model, "head_major", PROMPTS[:1], fuse=False)
+    for plan in off.plans:
+        counts = op_counts(plan)
+        assert plan.fusions == [] and FUSED not in counts
+        layers = model.num_layers
+        assert counts["Add"] == counts["RotaryTheta"] == counts["KVCommit"] == layers
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "off"])
+def test_a_bad_switch_value_is_refused(
+    tiny_ep: DecoderModel, value: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(FUSE_ENV, value)
+    backend = NativeBackend(tiny_ep, HeadMajorLayout())
+    with pytest.raises(ConfigError, match=rf"GENAI_EP_FUSE='{value}'; expected 0 .* or 1"):
+        backend.prefill([np.array(PROMPTS[0])])
+
+
+# --- where the pattern does not hold: nothing changes -------------------------------------------
+
+
+def _nodes(program: Program, *ops: str) -> list[Node]:
+    return [n for n in program.nodes if n.op in ops]
+
+
+def _with(program: Program, nodes: list[Node], **changes: Any) -> Program:
+    return dataclasses.replace(program, nodes=nodes, **changes)
+
+
+def _insert_after(program: Program, anchor: Node, node: Node) -> Program:
+    nodes = list(program.nodes)
+    nodes.insert(nodes.index(anchor) + 1, node)
+    return _with(program, nodes)
+
+
+def _extra_rotation(reads: str, like: Node) -> Node:
+    """A rotation of ``reads`` whose output nothing reads (a second reader of ``reads``)."""
+    return Node(like.op, "extra/rotation", (reads, *like.inputs[1:]), ("extra/rotated",),
+                dict(like.attrs))  # fmt: skip
+
+
+def _program(model: DecoderModel) -> Program:
+    return NativeBackend(model, HeadMajorLayout()).program
+
+
+def _assert_not_fused_in_layer_0(model: DecoderModel, program: Program) -> None:
+    """Layer 0 runs unfused (still right: the same bits as with the switch off); layer 1 fuses."""
+    unfused = run(model, "seq_major", PROMPTS[:3], fuse=False, program=program)
+    fused = run(model, "seq_major", PROMPTS[:3], fuse=True, program=program)
+    assert np.array_equal(fused.logits, unfused.logits)
+    for plan in fused.plans:
+        assert fused_layers(plan) == [1]
+        assert op_counts(plan)[FUSED] == 1 and op_counts(plan)["KVCommit"] == 1
+
+
+def test_rotated_k_read_twice_is_not_fused(tiny_ep: DecoderModel) -> None:
+    program = _program(tiny_ep)
+    k0 = _nodes(program, "RotaryTheta")[1]
+    commit0 = _nodes(program, "KVCommit")[0]
+    changed = _insert_after(program, commit0, _extra_rotation(k0.outputs[0], k0))
+    _assert_not_fused_in_layer_0(tiny_ep, changed)
+    # the extra reader changes nothing else: the same logits as the model's own graph
+    plain = run(tiny_ep, "seq_major", PROMPTS[:3], fuse=True)
+    assert np.array_equal(run(tiny_ep, "seq_major", PROMPTS[:3], fuse=True,
+                              program=changed).logits, plain.logits)  # fmt: skip
+
+
+def test_a_working_node_inside_the_chain_stops_it(tiny_ep: DecoderModel) -> None:
+    program = _program(tiny_ep)
+    q0, k0 = _nodes(program, "RotaryTheta")[:2]
+    # reads q's input (not the rotated k), but runs between k's rotation and the commit
+    changed = _insert_after(program, k0, _extra_rotation(q0.inputs[0], q0))
+    _assert_not_fused_in_layer_0(tiny_ep, changed)
+
+
+def test_rotations_that_differ_are_not_fused(tiny_ep: DecoderModel) -> None:
+    program = _program(tiny_ep)
+    k0 = _nodes(program, "RotaryTheta")[1]
+    nodes = [
+        Node(n.op, n.name, n.inputs, n.outputs, {**n.attrs, "interleaved": 1}) if n is k0 else n
+        for n in program.nodes
+    ]
+    _assert_not_fused_in_layer_0(tiny_ep, _with(program, nodes))
+
+
+def test_biased_sum_read_elsewhere_keeps_its_add(qwen: Callable[[str], DecoderModel]) -> None:
+    """A second reader of the biased sum: the Add stays, rotation + commit still fuse."""
+    model = qwen("fp32")
+    program = _program(model)
+    q0 = _nodes(program, "RotaryTheta")[0]
+    commit0 = _nodes(program, "KVCommit")[0]
+    changed = _insert_after(program, commit0, _extra_rotation(q0.inputs[0], q0))
+    unfused = run(model, "seq_major", PROMPTS[:3], fuse=False, program=changed)
+    fused = run(model, "seq_major", PROMPTS[:3], fuse=True, program=changed)
+    assert np.array_equal(fused.logits, unfused.logits)
+    for plan in fused.plans:
+        assert fused_layers(plan) == [0, 1]
+        adds = {f.commit.attrs["layer"]: f.add is not None for f in plan.fusions}
+        assert adds == {0: False, 1: True}
+        assert op_counts(plan)["Add"] == 1 and op_counts(plan)[FUSED] == 2
+
+
+def test_rotated_k_as_the_graph_output_is_not_fused(
+    tiny_ep: DecoderModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(FUSE_ENV, raising=False)  # the default: fused
+    assert fused_layers(NativeBackend(tiny_ep, HeadMajorLayout())._plan(1, 1)) == [0, 1]
+    backend = NativeBackend(tiny_ep, HeadMajorLayout())
+    k0 = _nodes(backend.program, "RotaryTheta")[1]
+    backend.program = dataclasses.replace(backend.program, output=k0.outputs[0])
+    assert fused_layers(backend._plan(1, 1)) == [1]
