@@ -39,13 +39,44 @@ only on host-known sizes (batch, seq, capacity or a ``max_context`` bound: at mo
 ``kv_decode_<dt>`` (one query token per row, 16-byte loads, at most 8 query heads per KV head):
 the same contract and workspace with 128 threads and no shared-memory tiles. L = head_dim / (16
 bytes of elements) lanes read a token's K and V row, so a warp takes 32 / L tokens at a time and
-each lane group keeps its own online softmax for the G query heads (the next token's loads issued
-before this one's arithmetic); groups merge by shuffles, warps through shared memory.
+each lane group keeps its own online softmax for the G query heads; groups merge by shuffles,
+warps through shared memory. Since ``kv_decode_tc`` it runs fp32 and the shapes that kernel does
+not take, and every decode under ``GENAI_EP_ATTENTION=v1`` (A/B runs). Where its time went (H200,
+2048-slot graph: 4.8 µs with no live token, ~175 ns a token in one block): the G query loads are
+serial (each 16-byte load is converted and scaled inside its ``g < G`` branch, so it waits before
+the next is issued), the next token's "prefetch" is converted inside its branch too (a full load
+latency every 16 tokens of a block), and per token a lane does G x (log2 L shuffles, 2 exps, a
+rescale of its G x 8 accumulators).
+
+``kv_decode_tc<d>_<dt>`` (fp16/bf16, head_dim d = 64 or 128, one query token per row, at most 8
+query heads per KV head, 16-byte loads): decode on tensor cores. Grid (batch, kv_heads, splits),
+256 threads = 8 warps; a warp takes 16-token tiles (UNITS of them a round: 2 at 64, 1 at 128).
+Scores are mma.m16n8k16 with the G query heads as A's rows (padded to 16, the padding's results
+never kept) and K rows as B (token n of 8 = the lane group; the 16-byte piece a lane loads is
+its fragment as is: within an MMA the feature order is a permutation Q and K share, as in the
+GEMVs); the score fragment (head g, tokens 2t, 2t+1) is P's A fragment for P·V, where V's
+fragment (tokens 2t, 2t+1 / 2t+8, 2t+9; feature 8g + i of each 64) is two byte permutes of the
+lane's own 16-byte V loads. Softmax in base 2 (scale·log2 e folded into the scores, ex2.approx),
+the max of each head shared by its 4 lanes per round, P rounded to T for the MMA (its sum from
+the rounded values), accumulation in fp32. Every load of a round is issued before any is used;
+split 0 issues its first tile per warp (tokens 0..127) before the row's position arrives.
+
+The cut is made on the device from the row's live length (a graph captured for 2048 slots
+serves every length): ``share = round_up(max(ceil(live / splits), min_share), 16)`` tokens a
+split (``AttentionPlan.share`` = ``min_share``, default `DECODE_SHARE` = 256 live tokens),
+``nlive = ceil(live / share)`` live splits; the blocks of the other splits exit at once. One live
+split writes the output itself (no workspace touched); 2..16 live splits each write a partial
+(sum, max, weight sum) and the last to arrive (a counter per row and KV head at the workspace's
+end, reset by that block) merges them; more than 16 (long contexts: one block merging many
+partials is slow, its loads serial) are merged by ``kv_decode_merge_<dt>``, one block per output
+row reading only the live splits, launched only when the plan allows that many and exiting at
+once otherwise. So a 2048-slot graph at batch 1 is one launch at every live length.
 
 Device data never causes an out-of-bounds access: a query position >= capacity or >= its row's
 committed length outputs zeros and sets `KernelFault.KV_POSITION`; a token whose block-table
-column or page is out of range (or whose address falls outside the cache) is skipped (masked)
-and sets `KernelFault.KV_PAGE`. What a faulted query outputs is unspecified.
+column or page is out of range (or whose address falls outside the cache) is skipped (masked;
+``kv_decode_tc`` reads it as zeros) and sets `KernelFault.KV_PAGE`. What a faulted query outputs
+is unspecified.
 """
 
 from __future__ import annotations
