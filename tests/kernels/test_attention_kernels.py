@@ -714,7 +714,16 @@ def filled(
 @pytest.mark.parametrize("dtype", TC_DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_dim"),
-    [(14, 2, 64), (16, 2, 128), (2, 2, 64), (8, 4, 128), (12, 3, 64), (6, 2, 128), (10, 2, 64)],
+    [
+        (14, 2, 64),
+        (16, 2, 128),
+        (2, 2, 64),
+        (8, 4, 128),
+        (12, 3, 64),
+        (6, 2, 128),
+        (10, 2, 64),
+        (12, 2, 64),
+    ],  # G = 7, 8, 1, 2, 4, 3, 5, 6
 )
 @pytest.mark.parametrize(
     ("lens", "min_share"),
