@@ -3,9 +3,11 @@
 For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x1152 (fused QKV), 896x4864,
 896x9728 (fused gate + up), 4864x896, 896x151936;
 bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points) and MXFP4;
-M = 1, 4, 16) and for decode attention (contexts 512, 2k, 8k, 32k; 14 query heads, 2 KV heads,
-head_dim 64, head-major cache), it reports the bytes a launch must move (weights with their scales,
-activations in, results out; for attention the K and V read) divided by the launch time, and that
+M = 1, 4, 16) and for decode attention (bf16, 14 query heads, 2 KV heads, head_dim 64: full
+head-major caches of 512, 2k, 8k, 32k tokens, and the native decode graph's case, a seq-major cache
+of 2048 slots holding 1, 40, 128, 512, 2048 live tokens), it reports the bytes a launch must move
+(weights with their scales, activations in, results out; for attention the live K and V read)
+divided by the launch time, and that
 figure divided by the device-to-device copy bandwidth (bytes read + written per second) measured
 first. The weights rotate through a pool of copies several times the L2 cache, so each launch reads
 them from HBM, as a decode step does.
@@ -24,6 +26,8 @@ shapes is measured as a reference line. Nothing here needs torch.
         --no-attention --no-torch          # only those GEMV rows (and only their kernels built)
     python tools/bench_kernels.py --formats bf16,q4,mxfp4 --rows 1,4 --gemv v1,v2 \
         --no-attention --no-torch   # A/B: the bf16-nk, q4 and mxfp4 rows once per GEMV version
+    python tools/bench_kernels.py --attention-only --attention v1,v2 \
+        --attention-share 128,256   # A/B: the attention rows, kv_decode vs kv_decode_tc
 
 ``--gemv v1,v2`` times the dense [N, K] (``bf16``, the alias of ``bf16-nk``), q4 and mxfp4 rows
 once with ``GENAI_EP_GEMV=v1`` (the split-K and streaming GEMVs) and once with ``v2`` (the
@@ -31,6 +35,11 @@ default: ``ep_gemv_<fmt>_v2_<dt>`` where the plan picks it); their rows are labe
 ``bf16-nk/v1``, ``q4/v2``, ... and the table names each row's kernel. ``v2-any`` also runs the
 dense v2 past its measured rule (every weight and M it can run: for re-measuring the rule).
 Large shapes (no whole reference check) are checked on their first and last 1024 columns.
+
+``--attention v1,v2`` times every attention row once with ``GENAI_EP_ATTENTION=v1`` (``kv_decode``
+and its reduce kernel) and once with ``v2`` (the default: ``kv_decode_tc``); ``--attention-share``
+repeats the v2 rows for each ``min_share`` given (live tokens a decode split takes at least).
+Labels: ``bf16/v1``, ``cap2048/v2/s128``, ...; ``--attention-only`` skips the GEMV and torch rows.
 """
 
 from __future__ import annotations
@@ -80,6 +89,8 @@ _ALIASES = {"bf16": "bf16-nk"}  # --formats bf16: the dense [N, K] (decode) orie
 GEMV_CHOICES = ("v1", "v2", "v2-any")  # --gemv: the GEMV versions a row runs under
 _GEMV_FORMATS = ("bf16-nk", "q4", "mxfp4")  # the formats with a v2 GEMV (--gemv applies to them)
 CONTEXTS = [512, 2048, 8192, 32768]
+DECODE_GRAPH_LIVE = [1, 40, 128, 512, 2048]  # live tokens in a 2048-slot seq-major cache
+ATTENTION_CHOICES = ("v1", "v2")  # --attention: GENAI_EP_ATTENTION for the attention rows
 HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
 
 
@@ -370,8 +381,65 @@ def bench_gemv(
 # --- attention ---------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class AttentionCase:
+    """One attention row: a cache of ``capacity`` slots (``layout``) holding ``live`` tokens."""
+
+    capacity: int
+    live: int
+    layout: str  # head_major | seq_major
+    version: str  # GENAI_EP_ATTENTION for the row ("" = the environment's)
+    share: int  # attention_plan's min_share (0 = its default)
+
+    @property
+    def label(self) -> str:
+        name = "bf16" if self.layout == "head_major" else f"cap{self.capacity}"
+        if self.version:
+            name += f"/{self.version}"
+        if self.share:
+            name += f"/s{self.share}"
+        return name
+
+
+def attention_cases(versions: list[str], shares: list[int]) -> list[AttentionCase]:
+    """Full contexts (head-major, capacity = context, as before) and the native decode graph's
+    case: a seq-major cache captured for 2048 slots holding 1..2048 live tokens."""
+    cases = []
+    for version in versions or [""]:
+        for share in shares if version != "v1" and shares else [0]:
+            for ctx in CONTEXTS:
+                cases.append(AttentionCase(ctx, ctx, "head_major", version, share))
+            for live in DECODE_GRAPH_LIVE:
+                cases.append(AttentionCase(2048, live, "seq_major", version, share))
+    return cases
+
+
+@contextlib.contextmanager
+def _attention_env(version: str) -> Iterator[None]:
+    """``GENAI_EP_ATTENTION=version`` while a row is captured (no change when empty)."""
+    from ep.kernels import attention as att
+
+    if not version:
+        yield
+        return
+    before = os.environ.get(att.ATTENTION_ENV)
+    os.environ[att.ATTENTION_ENV] = version
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(att.ATTENTION_ENV, None)
+        else:
+            os.environ[att.ATTENTION_ENV] = before
+
+
 def bench_attention(
-    dev: Device, copy_bps: float, pool_bytes: int, reps: int, rng: np.random.Generator
+    dev: Device,
+    copy_bps: float,
+    pool_bytes: int,
+    reps: int,
+    rng: np.random.Generator,
+    cases: list[AttentionCase],
 ) -> list[Row]:
     try:
         from ep.kernels import attention as att
@@ -385,14 +453,16 @@ def bench_attention(
     s = dev.default_stream
     rows: list[Row] = []
     status = new_status(dev, stream=s)
-    for ctx in CONTEXTS:
+    for case in cases:
+        cap, live = case.capacity, case.live
         try:
-            cache_elems = KV_HEADS * ctx * HEAD_DIM  # batch 1, head-major [1, Hkv, C, D]
+            cache_elems = KV_HEADS * cap * HEAD_DIM  # batch 1
             kv_bytes = 2 * cache_elems * 2
             copies = max(1, min(64, -(-pool_bytes // kv_bytes)))
-            strides = KVStrides(
-                batch=cache_elems, token=HEAD_DIM, head=ctx * HEAD_DIM, dim=1, page=0, page_size=0
-            )
+            if case.layout == "head_major":  # [1, Hkv, C, D]
+                strides = KVStrides(cache_elems, HEAD_DIM, cap * HEAD_DIM, 1, 0, 0)
+            else:  # [1, C, Hkv, D]
+                strides = KVStrides(cache_elems, KV_HEADS * HEAD_DIM, HEAD_DIM, 1, 0, 0)
             caches = []
             for c in range(copies):
                 k = dev.to_device(_bf16(rng, (cache_elems,)), stream=s, name=f"k{c}")
@@ -400,25 +470,26 @@ def bench_attention(
                 caches.append((k, v))
             q = dev.alloc((1, 1, HEADS, HEAD_DIM), BF16, stream=s, name="q")
             out = dev.alloc((1, 1, HEADS, HEAD_DIM), BF16, stream=s, name="attn-out")
-            positions = dev.to_device(np.array([[ctx - 1]], np.int64), stream=s, name="pos")
-            lengths = dev.to_device(np.array([ctx], np.int64), stream=s, name="len")
+            positions = dev.to_device(np.array([[live - 1]], np.int64), stream=s, name="pos")
+            lengths = dev.to_device(np.array([max(live, 1)], np.int64), stream=s, name="len")
             plan = att.attention_plan(
-                batch=1, seq=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, capacity=ctx
-            )
+                batch=1, seq=1, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, capacity=cap,
+                min_share=case.share or att.DECODE_SHARE,
+            )  # fmt: skip
             ws = att.attention_workspace(dev, plan, stream=s, name="attn-ws")
             launches = max(copies, 8)
 
             def record(
                 q: Buffer = q, out: Buffer = out, positions: Buffer = positions,
                 lengths: Buffer = lengths, caches: list[Any] = caches, ws: Buffer | None = ws,
-                strides: Any = strides, ctx: int = ctx, plan: Any = plan, copies: int = copies,
+                strides: Any = strides, cap: int = cap, plan: Any = plan, copies: int = copies,
                 launches: int = launches,
             ) -> int:  # fmt: skip
                 for i in range(launches):
                     k, v = caches[i % copies]
                     att.kv_attention(
                         dev, out, q, positions, lengths, k, v, batch=1, seq=1, heads=HEADS,
-                        kv_heads=KV_HEADS, head_dim=HEAD_DIM, strides=strides, capacity=ctx,
+                        kv_heads=KV_HEADS, head_dim=HEAD_DIM, strides=strides, capacity=cap,
                         workspace=ws, plan=plan, status=status, stream=s,
                     )  # fmt: skip
                 return launches
@@ -427,22 +498,27 @@ def bench_attention(
                 q.copy_from_host(_bf16(rng, (1, 1, HEADS, HEAD_DIM)), stream=s)
                 dev.fill(out, float("nan"), stream=s)
 
-            timing = time_graph(dev, record, prepare, reps)
+            with _attention_env(case.version):
+                timing = time_graph(dev, record, prepare, reps)
+                tc = att._decode_tc_ok(
+                    plan, 1, HEADS // KV_HEADS, HEAD_DIM, True, q, out, HEADS * HEAD_DIM, cap
+                )
             finite = np.isfinite(out.to_host(stream=s).astype(np.float32)).all()
-            moved = kv_bytes + 2 * 2 * HEADS * HEAD_DIM
+            moved = 2 * live * KV_HEADS * HEAD_DIM * 2 + 2 * 2 * HEADS * HEAD_DIM
             gbps = moved / (timing.median_ms * 1e-3)
-            note = f"splits={plan.splits} kv_tile={plan.kv_tile}" + (
+            kernel = f"kv_decode_tc{HEAD_DIM}_bf16" if tc else "kv_decode_bf16"
+            note = f"live={live} splits={plan.splits} share>={plan.share}" + (
                 "" if finite else " NaN in the output"
             )
             if copies * kv_bytes < pool_bytes:
                 note += f" pool {copies * kv_bytes / 1e6:.0f} MB (L2-resident in part)"
             rows.append(
-                Row("attention", "bf16", ctx, HEADS, 1, moved, timing, gbps, gbps / copy_bps,
-                    "kv_attention_bf16", note)
+                Row("attention", case.label, live, HEADS, 1, moved, timing, gbps, gbps / copy_bps,
+                    kernel, note)
             )  # fmt: skip
             print(
-                f"  attention ctx={ctx:6d}  {timing.median_ms * 1e3:8.2f} us  "
-                f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}  {note}",
+                f"  attention {case.label:14s} live={live:6d}  {timing.median_ms * 1e3:8.2f} us  "
+                f"{gbps / 1e9:7.1f} GB/s  {gbps / copy_bps:5.2f}  {kernel}  {note}",
                 flush=True,
             )
             for k, v in caches:
@@ -450,7 +526,9 @@ def bench_attention(
                 v.free()
         except Exception as exc:
             traceback.print_exc()
-            rows.append(Row("attention", "bf16", ctx, HEADS, 1, 0, None, 0.0, 0.0, "", repr(exc)))
+            rows.append(
+                Row("attention", case.label, live, HEADS, 1, 0, None, 0.0, 0.0, "", repr(exc))
+            )
     return rows
 
 
@@ -557,7 +635,10 @@ def table(rows: list[Row], copy: dict[str, float]) -> str:
             f"{large} {r.kernel.split(' ')[0]}"
         )
     lines.append("ratio = (bytes moved / median launch time) / copy bandwidth; * = target >= 0.8")
-    lines.append("attention rows: K = context, N = query heads")
+    lines.append(
+        "attention rows: K = live tokens, N = query heads; bf16 = a full head-major cache of K "
+        "slots, cap2048 = a seq-major cache of 2048 slots (the native decode graph's)"
+    )
     return "\n".join(lines)
 
 
@@ -571,6 +652,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="", help="M values, e.g. 1,4 (default 1,4,16)")
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--no-attention", action="store_true")
+    parser.add_argument(
+        "--attention-only", action="store_true", help="only the attention rows (no GEMV, torch)"
+    )
+    parser.add_argument(
+        "--attention",
+        default="",
+        help="decode attention kernels for the attention rows, e.g. v1,v2 (an A/B in one run: "
+        "v1 = kv_decode + reduce, v2 = kv_decode_tc); default: the environment's "
+        "GENAI_EP_ATTENTION (v2 when unset)",
+    )
+    parser.add_argument(
+        "--attention-share",
+        default="",
+        help="min_share values for the v2 attention rows, e.g. 64,128,256 (live tokens a "
+        "decode split takes at least; default: the plan's)",
+    )
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--shapes", default="", help="KxN,KxN,... instead of the model's")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu for a smoke run")
@@ -586,6 +683,19 @@ def main(argv: list[str] | None = None) -> int:
     bad = [g for g in gemv if g not in GEMV_CHOICES]
     if bad:
         parser.error(f"--gemv {args.gemv!r}: expected a list of {', '.join(GEMV_CHOICES)}")
+    versions = [v.strip() for v in args.attention.split(",") if v.strip()]
+    if any(v not in ATTENTION_CHOICES for v in versions):
+        parser.error(
+            f"--attention {args.attention!r}: expected a list of {', '.join(ATTENTION_CHOICES)}"
+        )
+    try:
+        shares = [int(v) for v in args.attention_share.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"--attention-share {args.attention_share!r}: expected integers")
+    if any(v <= 0 for v in shares):
+        parser.error(f"--attention-share {args.attention_share!r}: expected positive integers")
+    if args.attention_only and args.no_attention:
+        parser.error("--attention-only and --no-attention exclude each other")
     shapes = SHAPES
     if args.shapes:
         shapes = [(int(k), int(n)) for k, n in (p.split("x") for p in args.shapes.split(","))]
@@ -596,6 +706,8 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", json.dumps(info, indent=1), flush=True)
     t0 = time.perf_counter()
     formats = [_ALIASES.get(f, f) for f in args.formats.split(",") if f]
+    if args.attention_only:
+        formats = []
     families = tuple(f"_{_FAMILY.get(f, f)}_" for f in formats)
     needed = [
         n
@@ -629,8 +741,9 @@ def main(argv: list[str] | None = None) -> int:
                     traceback.print_exc()
                     results.append(Row("gemv", label, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))
     if not args.no_attention:
-        results += bench_attention(dev, copy_bps, pool, args.reps, rng)
-    if not (args.no_torch or args.quick or dev.kind != "cuda"):
+        cases = attention_cases(versions, shares)
+        results += bench_attention(dev, copy_bps, pool, args.reps, rng, cases)
+    if not (args.no_torch or args.quick or args.attention_only or dev.kind != "cuda"):
         try:
             results += bench_torch(copy_bps, pool, args.reps, shapes, rows_m)
         except Exception as exc:

@@ -212,8 +212,10 @@ def register_per_dtype(
     params: str | Sequence[str],
     cpu: Callable[..., None],
     options: CompileOptions = OPTIONS,
+    *,
+    suffixes: Sequence[str] = ("f32", "f16", "bf16"),
 ) -> dict[str, KernelSource]:
-    """Register ``<name>_<suffix>`` for each float dtype from ``body``.
+    """Register ``<name>_<suffix>`` for each float dtype (of ``suffixes``) from ``body``.
 
     In ``body`` the entry is spelled ``KERNEL`` and the element type ``T``; in ``params`` ``"T*"``
     is the element pointer.
@@ -221,6 +223,8 @@ def register_per_dtype(
     params = _params(params)
     out: dict[str, KernelSource] = {}
     for suffix, ctype, _ in FLOAT_DTYPES.values():
+        if suffix not in suffixes:
+            continue
         entry = f"{name}_{suffix}"
         source = PRELUDE + f"typedef {ctype} T;\n" + body.replace("KERNEL", entry)
         out[suffix] = register_kernel(

@@ -46,24 +46,58 @@ only on host-known sizes (batch, seq, capacity or a ``max_context`` bound: at mo
 ``kv_decode_<dt>`` (one query token per row, 16-byte loads, at most 8 query heads per KV head):
 the same contract and workspace with 128 threads and no shared-memory tiles. L = head_dim / (16
 bytes of elements) lanes read a token's K and V row, so a warp takes 32 / L tokens at a time and
-each lane group keeps its own online softmax for the G query heads (the next token's loads issued
-before this one's arithmetic); groups merge by shuffles, warps through shared memory.
+each lane group keeps its own online softmax for the G query heads; groups merge by shuffles,
+warps through shared memory. Since ``kv_decode_tc`` it runs fp32 and the shapes that kernel does
+not take, and every decode under ``GENAI_EP_ATTENTION=v1`` (A/B runs). Where its time went (H200,
+2048-slot graph: 4.8 µs with no live token, ~175 ns a token in one block): the G query loads are
+serial (each 16-byte load is converted and scaled inside its ``g < G`` branch, so it waits before
+the next is issued), the next token's "prefetch" is converted inside its branch too (a full load
+latency every 16 tokens of a block), and per token a lane does G x (log2 L shuffles, 2 exps, a
+rescale of its G x 8 accumulators).
+
+``kv_decode_tc<d>_<dt>`` (fp16/bf16, head_dim d = 64 or 128, one query token per row, at most 8
+query heads per KV head, 16-byte loads): decode on tensor cores. Grid (batch, kv_heads, splits),
+256 threads = 8 warps; a warp takes 16-token tiles (UNITS of them a round: 2 at 64, 1 at 128).
+Scores are mma.m16n8k16 with the G query heads as A's rows (padded to 16, the padding's results
+never kept) and K rows as B (token n of 8 = the lane group; the 16-byte piece a lane loads is
+its fragment as is: within an MMA the feature order is a permutation Q and K share, as in the
+GEMVs); the score fragment (head g, tokens 2t, 2t+1) is P's A fragment for P·V, where V's
+fragment (tokens 2t, 2t+1 / 2t+8, 2t+9; feature 8g + i of each 64) is two byte permutes of the
+lane's own 16-byte V loads. Softmax in base 2 (scale·log2 e folded into the scores, ex2.approx),
+the max of each head shared by its 4 lanes per round, P rounded to T for the MMA (its sum from
+the rounded values), accumulation in fp32. Every load of a round is issued before any is used;
+split 0 issues its first tile per warp (tokens 0..127) before the row's position arrives.
+
+The cut is made on the device from the row's live length (a graph captured for 2048 slots
+serves every length): ``share = round_up(max(ceil(live / splits), min_share), 16)`` tokens a
+split (``AttentionPlan.share`` = ``min_share``, default `DECODE_SHARE` = 256 live tokens),
+``nlive = ceil(live / share)`` live splits; the blocks of the other splits exit at once. One live
+split writes the output itself (no workspace touched); 2..16 live splits each write a partial
+(sum, max, weight sum) and the last to arrive (a counter per row and KV head at the workspace's
+end, reset by that block) merges them; more than 16 (long contexts: one block merging many
+partials is slow, its loads serial) are merged by ``kv_decode_merge_<dt>``, one block per output
+row reading only the live splits, launched only when the plan allows that many and exiting at
+once otherwise. So a 2048-slot graph at batch 1 is one launch at every live length.
 
 Device data never causes an out-of-bounds access: a query position >= capacity or >= its row's
 committed length outputs zeros and sets `KernelFault.KV_POSITION`; a token whose block-table
-column or page is out of range (or whose address falls outside the cache) is skipped (masked)
-and sets `KernelFault.KV_PAGE`. What a faulted query outputs is unspecified.
+column or page is out of range (or whose address falls outside the cache) is skipped (masked;
+``kv_decode_tc`` reads it as zeros) and sets `KernelFault.KV_PAGE`. What a faulted query outputs
+is unspecified.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from ep.device import Buffer, Device, Stream
+from ep.device import Buffer, Device, KernelSource, Stream
 from ep.errors import OpError
 from ep.kernels._common import (
+    BF16,
     EXACT_OPTIONS,
     FLOAT_DTYPES,
     KernelFault,
@@ -84,8 +118,11 @@ from ep.ops import kv as ref
 from ep.seams import KVStrides
 
 __all__ = [
+    "ATTENTION_ENV",
+    "DECODE_SHARE",
     "AttentionPlan",
     "attention_plan",
+    "attention_version",
     "attention_workspace",
     "kv_attention",
     "kv_commit",
@@ -102,6 +139,16 @@ _DECODE_MAX_GROUP = 8  # query heads per KV head the decode kernel holds (MAX_G)
 _DECODE_THREADS = 128  # the decode kernel's 4 warps (WARPS)
 _SHARED_BUDGET = 96 * 1024
 _MAX_HEAD_DIM = 256
+# kv_decode_tc: 8 warps a block; a split takes at least DECODE_SHARE live tokens (one round of
+# loads at head_dim 64, two at 128); its last block merges up to _TC_MERGE_MAX live splits, more
+# go to kv_decode_merge (one block merging many splits is slow: its loads are serial).
+_TC_THREADS = 256
+DECODE_SHARE = 256
+_TC_MERGE_MAX = 16
+_TC_MAX_SLOTS = 2**31 - 2**16  # token indices are int32 on the device
+# GENAI_EP_ATTENTION=v1 runs the earlier decode kernels (kv_decode + reduce) only, for A/B runs.
+ATTENTION_ENV = "GENAI_EP_ATTENTION"
+_ATTENTION_VERSIONS = ("v1", "v2")
 
 # --- shared device code ------------------------------------------------------------------------
 
@@ -1169,6 +1216,523 @@ extern "C" __global__ void __launch_bounds__(128) KERNEL(ATTENTION_PARAMS) {
 )
 
 
+# The decode cut both tensor-core kernels compute from a row's position (kv_decode_tc and the merge
+# of its partials must agree on it exactly).
+_DECODE_CUT = r"""
+#define NEG_INF (__int_as_float(0xff800000u))
+
+// Tokens a decode query attends to: its position + 1, or 0 for padding and a faulted position.
+static __device__ __forceinline__ int decode_live(i64 pos, i64 committed, i64 capacity) {
+    return (pos < 0 || pos >= capacity || pos >= committed) ? 0 : (int)pos + 1;
+}
+
+// How ``live`` tokens are shared out: ``share`` tokens a split (an equal share over ``splits``, at
+// least ``min_share``, rounded up to a 16-token tile) and ``nlive`` splits that hold any.
+static __device__ __forceinline__ void decode_cut(int live, int splits, int min_share, int& share,
+                                                  int& nlive) {
+    share = (live + splits - 1) / splits;
+    share = share > min_share ? share : min_share;
+    share = (share + 15) & ~15;
+    nlive = (live + share - 1) / share;
+}
+
+static __device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+"""
+
+_DECODE_TC_BODY = (
+    _DECODE_CUT
+    + r"""
+#define TC_WARPS 8
+#define TC_THREADS 256
+
+static __device__ __forceinline__ u32 half_bits(__half x) { return __half_as_ushort(x); }
+static __device__ __forceinline__ u32 half_bits(__nv_bfloat16 x) {
+    return __bfloat16_as_ushort(x);
+}
+static __device__ __forceinline__ u32 word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : (i == 1 ? v.y : (i == 2 ? v.z : v.w));
+}
+
+// (d0, d1) += row g, columns 2t and 2t + 1 of A (16x16, row-major) * B (16x8, col-major), the
+// m16n8k16 MMA with fp32 accumulators (lane = 4 g + t; fragments as in the PTX ISA and as the
+// GEMVs use them). a0 holds A[g][2t, 2t+1], a2 A[g][2t+8, 2t+9], b0 B[2t, 2t+1][g], b1
+// B[2t+8, 2t+9][g]. A's rows 8-15 are zero (at most 8 query heads a KV head): their results are
+// scratch outputs, so no register keeps them between MMAs.
+template <typename X>
+static __device__ __forceinline__ void mma8(float& d0, float& d1, u32 a0, u32 a2, u32 b0, u32 b1);
+
+template <>
+__device__ __forceinline__ void mma8<__half>(float& d0, float& d1, u32 a0, u32 a2, u32 b0,
+                                             u32 b1) {
+    float x2, x3;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %10, %11};"
+        : "+f"(d0), "+f"(d1), "=f"(x2), "=f"(x3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f));
+}
+
+template <>
+__device__ __forceinline__ void mma8<__nv_bfloat16>(float& d0, float& d1, u32 a0, u32 a2, u32 b0,
+                                                    u32 b1) {
+    float x2, x3;
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %10, %11};"
+        : "+f"(d0), "+f"(d1), "=f"(x2), "=f"(x3)
+        : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f), "f"(0.0f));
+}
+
+// Element offset of (row b, token tok, head 0, feature 0), or -1 when it cannot be addressed.
+// Paged layouts pass the token's block-table entry ``page`` (-1: none), loaded beforehand so
+// that the lookups of a round are in flight together.
+static __device__ __forceinline__ i64 tc_token_base(i64 b, int tok, int page, i64 s_batch,
+                                                    i64 s_token, i64 s_page, int page_size,
+                                                    i64 span, i64 cache_elems) {
+    i64 base;
+    if (page_size > 0) {
+        if (page < 0) return -1;
+        base = (i64)page * s_page + (i64)(tok % page_size) * s_token;
+    } else {
+        base = b * s_batch + (i64)tok * s_token;
+    }
+    return (base >= 0 && base + span <= cache_elems) ? base : -1;
+}
+
+// The block-table entry of token ``tok`` of row b (-1 past the bound or the table).
+static __device__ __forceinline__ int tc_page(i64 b, int tok, int bound, const int* table,
+                                              i64 table_cols, int page_size) {
+    const int col = tok / page_size;
+    return tok < bound && col < table_cols ? __ldg(table + b * table_cols + col) : -1;
+}
+
+// Decode attention on tensor cores: grid (batch, kv_heads, splits), 256 threads = 8 warps. See
+// the module docstring for the design; DIM (64 or 128) and UNITS (tiles a warp per round) are
+// defined per kernel.
+extern "C" __global__ void __launch_bounds__(TC_THREADS) KERNEL(
+    T* out, float* ws, const T* __restrict__ query, const void* __restrict__ positions,
+    int pos_i64, const i64* __restrict__ lengths, const T* __restrict__ kcache,
+    const T* __restrict__ vcache, const void* __restrict__ block_table, i64 table_cols,
+    i64 batch, int heads, int kv_heads, i64 q_tok, i64 s_batch, i64 s_token, i64 s_head,
+    i64 s_page, i64 page_size, i64 capacity, i64 cache_elems, float scale, int splits,
+    int min_share, int merge_limit, u32* status) {
+    constexpr int KS = DIM / 32;  // a lane's 16-byte pieces of a K row: features 32 s + 8 t + [0,8)
+    constexpr int VS = DIM / 64;  // a lane's 16-byte pieces of a V row: features 64 a + 8 g + [0,8)
+    constexpr int NJ = DIM / 8;   // P.V MMAs a tile, 8 output features each
+    constexpr int ROUND = TC_WARPS * UNITS * 16;  // tokens a block loads per round
+    constexpr int QUADS = DIM / 4;
+    constexpr int ITEMS = 8 * QUADS;              // (head, 4 features) items of a KV head
+    constexpr int SGROUPS = TC_THREADS / ITEMS;   // lanes sharing an item in the merge (1 or 2)
+    __shared__ __align__(16) float sm_o[TC_WARPS][8][DIM + 4];
+    __shared__ float sm_m[TC_WARPS][8], sm_l[TC_WARPS][8];
+    __shared__ u32 sm_last;
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const i64 b = blockIdx.x;
+    const int kvh = blockIdx.y, split = blockIdx.z;
+    const int G = heads / kv_heads;
+    const int* table = reinterpret_cast<const int*>(block_table);
+    const int psize = (int)page_size;
+    const i64 span = (i64)(kv_heads - 1) * s_head + DIM;
+    const T* kbase = kcache + (i64)kvh * s_head;
+    const T* vbase = vcache + (i64)kvh * s_head;
+    const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+
+    // 1. The row's position and committed length, and this lane's pieces of query head g (the
+    // A operand of the score MMAs; zero past the G heads), loaded together.
+    const i64 committed = lengths[b];
+    const i64 pos = load_index(positions, b, pos_i64);
+    uint4 qa[KS];
+    {
+        const T* qrow = query + b * q_tok + (i64)(kvh * G + (g < G ? g : 0)) * DIM + 8 * t;
+#pragma unroll
+        for (int s = 0; s < KS; ++s) {
+            qa[s] = __ldg(reinterpret_cast<const uint4*>(qrow + 32 * s));
+        }
+#pragma unroll
+        for (int s = 0; s < KS; ++s) qa[s] = g < G ? qa[s] : zero;
+    }
+
+    // K and V of one round. Tile k = u * TC_WARPS + warp holds tokens r0 + 16 k + [0, 16). As the
+    // B operand of the score MMAs this lane reads K rows 8 h + g (h = 0, 1: the tile's halves); as
+    // the B operand of the P.V MMAs, V rows 2t, 2t+1, 2t+8, 2t+9 (c = 0..3) at features 64 a + 8 g.
+    uint4 kr[UNITS][2][KS], vr[UNITS][VS][4];
+    u32 unaddressed = 0;  // bit 2u + h: the K row this lane reads of tile u, half h, has no address
+    // Loads tiles ulo..uhi-1 of the round at r0 (tokens at or past ``bound`` read as zeros).
+    auto issue = [&](int r0, int bound, int ulo, int uhi) {
+        // The tokens: K rows 8 h + g (i = h), V rows 2t, 2t+1, 2t+8, 2t+9 (i = 2 + c).
+        int tok[UNITS][6], page[UNITS][6];
+#pragma unroll
+        for (int u = 0; u < UNITS; ++u) {
+            const int tb = r0 + 16 * (u * TC_WARPS + warp);
+#pragma unroll
+            for (int i = 0; i < 6; ++i) {
+                tok[u][i] = tb + (i < 2 ? 8 * i + g : 2 * t + (i & 1) + 8 * ((i - 2) >> 1));
+                page[u][i] = -1;
+            }
+        }
+        if (psize > 0) {  // every lookup in flight before any is used
+#pragma unroll
+            for (int u = 0; u < UNITS; ++u) {
+                if (u < ulo || u >= uhi) continue;
+#pragma unroll
+                for (int i = 0; i < 6; ++i) {
+                    page[u][i] = tc_page(b, tok[u][i], bound, table, table_cols, psize);
+                }
+            }
+        }
+        i64 base[UNITS][6];
+#pragma unroll
+        for (int u = 0; u < UNITS; ++u) {
+            if (u < ulo || u >= uhi) continue;
+#pragma unroll
+            for (int i = 0; i < 6; ++i) {
+                base[u][i] = tok[u][i] < bound
+                                 ? tc_token_base(b, tok[u][i], page[u][i], s_batch, s_token,
+                                                 s_page, psize, span, cache_elems)
+                                 : -1;
+            }
+            unaddressed &= ~(3u << (2 * u));
+            if (tok[u][0] < bound && base[u][0] < 0) unaddressed |= 1u << (2 * u);
+            if (tok[u][1] < bound && base[u][1] < 0) unaddressed |= 2u << (2 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < UNITS; ++u) {
+            if (u < ulo || u >= uhi) continue;
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                for (int s = 0; s < KS; ++s) {
+                    kr[u][h][s] = zero;
+                    if (base[u][h] >= 0) {
+                        kr[u][h][s] = __ldg(
+                            reinterpret_cast<const uint4*>(kbase + base[u][h] + 32 * s + 8 * t));
+                    }
+                }
+            }
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+#pragma unroll
+                for (int a = 0; a < VS; ++a) {
+                    vr[u][a][c] = zero;
+                    const i64 at = base[u][2 + c];
+                    if (at >= 0) {
+                        vr[u][a][c] =
+                            __ldg(reinterpret_cast<const uint4*>(vbase + at + 64 * a + 8 * g));
+                    }
+                }
+            }
+        }
+    };
+    // Split 0 starts at token 0 whatever the live length: the first tile of each warp (tokens
+    // 0..127) is loaded beside the position (tokens past the end are masked below, their V rows
+    // zeroed); the rest only once the end is known, so that a short context does not pull a
+    // whole round through the SM.
+    const bool early = split == 0;
+    if (early) issue(0, capacity < ROUND ? (int)capacity : ROUND, 0, 1);
+
+    // 2. The live context and this split's share of it (on the device: a graph captured for a
+    // large capacity serves every live length). Splits past the live ones exit at once.
+    const int live = decode_live(pos, committed, capacity);
+    if (pos >= 0 && live == 0 && kvh == 0 && split == 0 && tid == 0) {
+        set_fault(status, 4u);  // KernelFault.KV_POSITION
+    }
+    int share, nlive;
+    decode_cut(live, splits, min_share, share, nlive);
+    if (split >= (nlive > 1 ? nlive : 1)) return;
+    const int begin = split * share;
+    const int end = begin + share < live ? begin + share : live;
+    issue(begin, end, early ? 1 : 0, UNITS);
+
+    // 3. Rounds: scores S = Q K^T on tensor cores (lane: head g, tokens 2t, 2t+1 of each half
+    // tile), an online softmax in base 2 (each head's max shared by its 4 lanes), P V on tensor
+    // cores (P rounded to T; lane: head g, features 64 a + 16 t + [0, 16)).
+    const float sl2 = scale * 1.4426950408889634f;
+    float o[NJ][2];
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) o[j][0] = o[j][1] = 0.0f;
+    float m = NEG_INF, l = 0.0f;
+    for (int r0 = begin; r0 < end; r0 += ROUND) {
+        if (r0 != begin) issue(r0, end, 0, UNITS);
+        if (unaddressed && kvh == 0) {
+#pragma unroll
+            for (int u = 0; u < UNITS; ++u) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int tok = r0 + 16 * (u * TC_WARPS + warp) + 8 * h + g;
+                    if ((unaddressed >> (2 * u + h)) & 1u && tok < end) {
+                        set_fault(status, psize > 0 ? 8u : 4u);  // KV_PAGE / KV_POSITION
+                    }
+                }
+            }
+        }
+        float sc[UNITS][4];
+        float cmax = NEG_INF;
+#pragma unroll
+        for (int u = 0; u < UNITS; ++u) {
+            const int tb = r0 + 16 * (u * TC_WARPS + warp);
+            sc[u][0] = sc[u][1] = sc[u][2] = sc[u][3] = NEG_INF;
+            if (tb < end) {  // the same for the whole warp: the MMAs stay converged
+                float s0a = 0.0f, s0b = 0.0f, s1a = 0.0f, s1b = 0.0f;
+#pragma unroll
+                for (int s = 0; s < KS; ++s) {
+                    mma8<T>(s0a, s0b, qa[s].x, qa[s].y, kr[u][0][s].x, kr[u][0][s].y);
+                    mma8<T>(s1a, s1b, qa[s].x, qa[s].y, kr[u][1][s].x, kr[u][1][s].y);
+                    mma8<T>(s0a, s0b, qa[s].z, qa[s].w, kr[u][0][s].z, kr[u][0][s].w);
+                    mma8<T>(s1a, s1b, qa[s].z, qa[s].w, kr[u][1][s].z, kr[u][1][s].w);
+                }
+                const int ta = tb + 2 * t;
+                sc[u][0] = ta < end ? s0a * sl2 : NEG_INF;
+                sc[u][1] = ta + 1 < end ? s0b * sl2 : NEG_INF;
+                sc[u][2] = ta + 8 < end ? s1a * sl2 : NEG_INF;
+                sc[u][3] = ta + 9 < end ? s1b * sl2 : NEG_INF;
+                cmax = fmaxf(cmax, fmaxf(fmaxf(sc[u][0], sc[u][1]), fmaxf(sc[u][2], sc[u][3])));
+            }
+        }
+        cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 1));
+        cmax = fmaxf(cmax, __shfl_xor_sync(0xffffffffu, cmax, 2));
+        const float m_new = fmaxf(m, cmax);
+        const float ref = m_new == NEG_INF ? 0.0f : m_new;
+        const float alpha = ex2(m - ref);  // 0 while m is -inf
+        l *= alpha;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            o[j][0] *= alpha;
+            o[j][1] *= alpha;
+        }
+        m = m_new;
+#pragma unroll
+        for (int u = 0; u < UNITS; ++u) {
+            const int tb = r0 + 16 * (u * TC_WARPS + warp);
+            if (tb >= end) continue;  // warp-uniform
+            u32 bits[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const T p = from_f32<T>(ex2(sc[u][e] - ref));  // 0 for a masked token
+                l += to_f32(p);  // the sum of the weights the MMA uses
+                bits[e] = half_bits(p);
+            }
+            const u32 p0 = bits[0] | (bits[1] << 16), p1 = bits[2] | (bits[3] << 16);
+#pragma unroll
+            for (int c = 0; c < 4; ++c) {
+                const int tok = tb + 2 * t + (c & 1) + 8 * (c >> 1);
+#pragma unroll
+                for (int a = 0; a < VS; ++a) vr[u][a][c] = tok < end ? vr[u][a][c] : zero;
+            }
+#pragma unroll
+            for (int a = 0; a < VS; ++a) {
+#pragma unroll
+                for (int i = 0; i < 8; ++i) {
+                    const u32 sel = (i & 1) ? 0x7632u : 0x5410u;  // high or low halves
+                    const u32 b0 = __byte_perm(word_of(vr[u][a][0], i >> 1),
+                                               word_of(vr[u][a][1], i >> 1), sel);
+                    const u32 b1 = __byte_perm(word_of(vr[u][a][2], i >> 1),
+                                               word_of(vr[u][a][3], i >> 1), sel);
+                    mma8<T>(o[8 * a + i][0], o[8 * a + i][1], p0, p1, b0, b1);
+                }
+            }
+        }
+    }
+
+    // 4. Merge the warps through shared memory: item (head ig, features 4 iq + [0, 4)).
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) {
+        sm_m[warp][g] = m;
+        sm_l[warp][g] = l;
+    }
+#pragma unroll
+    for (int a = 0; a < VS; ++a) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            sm_o[warp][g][64 * a + 16 * t + i] = o[8 * a + i][0];
+            sm_o[warp][g][64 * a + 16 * t + 8 + i] = o[8 * a + i][1];
+        }
+    }
+    __syncthreads();
+    const i64 rows = batch * heads;
+    const i64 orow0 = b * heads + (i64)kvh * G;  // the output row of query head 0 of this KV head
+    float* ml = ws + rows * splits * DIM;
+    u32* arrivals = reinterpret_cast<u32*>(ml + rows * splits * 2);
+    if (tid < ITEMS) {
+        const int ig = tid / QUADS, iq = tid - ig * QUADS;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) mx = fmaxf(mx, sm_m[w][ig]);
+        const float ref = mx == NEG_INF ? 0.0f : mx;
+        float tot = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < TC_WARPS; ++w) {
+            const float e = ex2(sm_m[w][ig] - ref);
+            tot += e * sm_l[w][ig];
+            const float4 v = *reinterpret_cast<const float4*>(&sm_o[w][ig][4 * iq]);
+            acc[0] += e * v.x;
+            acc[1] += e * v.y;
+            acc[2] += e * v.z;
+            acc[3] += e * v.w;
+        }
+        if (ig < G) {
+            const i64 orow = orow0 + ig;
+            if (nlive <= 1) {  // the whole context in this block: the output itself
+                const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+                const u32 lo = half_bits(from_f32<T>(acc[0] * inv)) |
+                               (half_bits(from_f32<T>(acc[1] * inv)) << 16);
+                const u32 hi = half_bits(from_f32<T>(acc[2] * inv)) |
+                               (half_bits(from_f32<T>(acc[3] * inv)) << 16);
+                *reinterpret_cast<uint2*>(out + orow * DIM + 4 * iq) = make_uint2(lo, hi);
+            } else {  // this split's partial: unnormalised sum, max (base 2) and weight sum
+                const i64 at = orow * splits + split;
+                *reinterpret_cast<float4*>(ws + at * DIM + 4 * iq) =
+                    make_float4(acc[0], acc[1], acc[2], acc[3]);
+                if (iq == 0) {
+                    ml[2 * at] = mx;
+                    ml[2 * at + 1] = tot;
+                }
+            }
+        }
+    }
+    if (nlive <= 1 || nlive > merge_limit) return;  // done, or kv_decode_merge merges
+
+    // 5. The last live split to arrive merges the live splits' partials and resets the counter.
+    __threadfence();  // this block's partial is visible before it is counted
+    __syncthreads();
+    if (tid == 0) {
+        sm_last = atomicAdd(&arrivals[b * kv_heads + kvh], 1u) == (u32)(nlive - 1) ? 1u : 0u;
+    }
+    __syncthreads();
+    if (!sm_last) return;
+    __threadfence();
+    const int it = tid % ITEMS, sg = tid / ITEMS;
+    const int mg = it / QUADS, mq = it - mg * QUADS;
+    float mx = NEG_INF, tot = 0.0f, acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (mg < G) {
+        const i64 orow = orow0 + mg;
+        for (int s0 = sg; s0 < nlive; s0 += 8 * SGROUPS) {
+            float ms[8], ls[8];
+            float4 os[8];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const int s = s0 + k * SGROUPS;
+                ms[k] = NEG_INF;
+                ls[k] = 0.0f;
+                os[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                if (s < nlive) {
+                    const i64 at = orow * splits + s;
+                    ms[k] = __ldcg(ml + 2 * at);
+                    ls[k] = __ldcg(ml + 2 * at + 1);
+                    os[k] = __ldcg(reinterpret_cast<const float4*>(ws + at * DIM + 4 * mq));
+                }
+            }
+            float bm = mx;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) bm = fmaxf(bm, ms[k]);
+            const float ref = bm == NEG_INF ? 0.0f : bm;
+            const float keep = ex2(mx - ref);
+            tot *= keep;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i] *= keep;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const float e = ex2(ms[k] - ref);
+                tot += e * ls[k];
+                acc[0] += e * os[k].x;
+                acc[1] += e * os[k].y;
+                acc[2] += e * os[k].z;
+                acc[3] += e * os[k].w;
+            }
+            mx = bm;
+        }
+    }
+    if (SGROUPS > 1) {  // two lanes an item: the second hands its half over (sm_o is free now)
+        float* scratch = &sm_o[0][0][0];
+        if (sg == 1) {
+            scratch[6 * it] = mx;
+            scratch[6 * it + 1] = tot;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) scratch[6 * it + 2 + i] = acc[i];
+        }
+        __syncthreads();
+        if (sg == 0) {
+            const float mo = scratch[6 * it];
+            const float bm = fmaxf(mx, mo);
+            const float ref = bm == NEG_INF ? 0.0f : bm;
+            const float e0 = ex2(mx - ref), e1 = ex2(mo - ref);
+            tot = tot * e0 + scratch[6 * it + 1] * e1;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i] = acc[i] * e0 + scratch[6 * it + 2 + i] * e1;
+        }
+    }
+    if (sg == 0 && mg < G) {
+        const float inv = tot > 0.0f ? 1.0f / tot : 0.0f;
+        const u32 lo = half_bits(from_f32<T>(acc[0] * inv)) |
+                       (half_bits(from_f32<T>(acc[1] * inv)) << 16);
+        const u32 hi = half_bits(from_f32<T>(acc[2] * inv)) |
+                       (half_bits(from_f32<T>(acc[3] * inv)) << 16);
+        *reinterpret_cast<uint2*>(out + (orow0 + mg) * DIM + 4 * mq) = make_uint2(lo, hi);
+    }
+    if (tid == 0) arrivals[b * kv_heads + kvh] = 0u;  // ready for the next launch
+}
+"""
+)
+
+_DECODE_MERGE_BODY = (
+    _DECODE_CUT
+    + r"""
+// Merges kv_decode_tc's partials when more than ``merge_limit`` splits are live (fewer: it exits,
+// the decode kernel merged them itself). One block of 256 threads per output row; only the live
+// splits are read (their count is recomputed from the row's position, as the decode kernel did).
+extern "C" __global__ void __launch_bounds__(256) KERNEL(
+    T* out, const float* __restrict__ ws, const void* __restrict__ positions, int pos_i64,
+    const i64* __restrict__ lengths, i64 batch, int heads, int dim, i64 capacity, int splits,
+    int min_share, int merge_limit) {
+    __shared__ float weight[1024];
+    __shared__ float part[256];
+    __shared__ float scratch[32];
+    const i64 rows = batch * heads;
+    const i64 row = blockIdx.x;
+    if (row >= rows) return;
+    const i64 b = row / heads;
+    const int live = decode_live(load_index(positions, b, pos_i64), lengths[b], capacity);
+    int share, nlive;
+    decode_cut(live, splits, min_share, share, nlive);
+    if (nlive <= merge_limit) return;
+    const float* o = ws + row * splits * dim;
+    const float* ml = ws + rows * splits * dim + row * splits * 2;
+    float big = NEG_INF;
+    for (int i = threadIdx.x; i < nlive; i += blockDim.x) big = fmaxf(big, ml[2 * i]);
+    big = block_max(big, scratch);
+    const float ref = big == NEG_INF ? 0.0f : big;
+    float total = 0.0f;
+    for (int i = threadIdx.x; i < nlive; i += blockDim.x) {
+        const float w = ex2(ml[2 * i] - ref);
+        weight[i] = w;
+        total += w * ml[2 * i + 1];
+    }
+    total = block_sum(total, scratch);  // its barriers also publish weight[]
+    const int groups = (int)blockDim.x / dim;
+    const int grp = threadIdx.x / dim, d = threadIdx.x - grp * dim;
+    if (grp < groups) {
+        float acc = 0.0f;
+#pragma unroll 4
+        for (int i = grp; i < nlive; i += groups) acc += weight[i] * o[(i64)i * dim + d];
+        part[threadIdx.x] = acc;
+    }
+    __syncthreads();
+    if (threadIdx.x < dim) {
+        float sum = 0.0f;
+        for (int k = 0; k < groups; ++k) sum += part[k * dim + threadIdx.x];
+        out[row * dim + threadIdx.x] = from_f32<T>(total > 0.0f ? sum / total : 0.0f);
+    }
+}
+"""
+)
+
+
 def _attention_cpu(
     out: np.ndarray,
     ws: np.ndarray,
@@ -1290,6 +1854,91 @@ DECODE_KERNELS = register_per_dtype(
 )
 
 
+def _decode_tc_twin(dim: int) -> Callable[..., None]:
+    """The CPU twin of ``kv_decode_tc<dim>``: `_attention_cpu` with its fixed arguments."""
+
+    def twin(
+        out: np.ndarray,
+        ws: np.ndarray,
+        query: np.ndarray,
+        positions: np.ndarray,
+        pos_i64: np.int32,
+        lengths: np.ndarray,
+        kcache: np.ndarray,
+        vcache: np.ndarray,
+        block_table: np.ndarray,
+        table_cols: np.int64,
+        batch: np.int64,
+        heads: np.int32,
+        kv_heads: np.int32,
+        q_tok: np.int64,
+        s_batch: np.int64,
+        s_token: np.int64,
+        s_head: np.int64,
+        s_page: np.int64,
+        page_size: np.int64,
+        capacity: np.int64,
+        cache_elems: np.int64,
+        scale: np.float32,
+        splits: np.int32,
+        min_share: np.int32,
+        merge_limit: np.int32,
+        status: np.ndarray,
+    ) -> None:
+        one, i32 = np.int64(1), np.int32
+        _attention_cpu(
+            out, ws, query, positions, pos_i64, lengths, kcache, vcache, block_table, table_cols,
+            batch, one, heads, kv_heads, i32(dim), q_tok, s_batch, s_token, s_head, one, s_page,
+            page_size, capacity, cache_elems, scale, i32(1), i32(16), i32(1), splits, np.int64(0),
+            i32(1), status,
+        )  # fmt: skip
+
+    return twin
+
+
+def _merge_cpu(
+    out: np.ndarray,
+    ws: np.ndarray,
+    positions: np.ndarray,
+    pos_i64: np.int32,
+    lengths: np.ndarray,
+    batch: np.int64,
+    heads: np.int32,
+    dim: np.int32,
+    capacity: np.int64,
+    splits: np.int32,
+    min_share: np.int32,
+    merge_limit: np.int32,
+) -> None:
+    """Nothing to do on the CPU: the decode twin already wrote the whole output."""
+
+
+# kv_decode_tc<dim>_<dt> (fp16/bf16): head_dim -> UNITS, the 16-token tiles a warp loads per
+# round (a lane holds 2 x UNITS x dim / 8 bytes of K and V in flight; 128 takes one tile so that
+# the registers stay under 255 without spills).
+_TC_UNITS = {64: 2, 128: 1}
+DECODE_TC_KERNELS: dict[int, dict[str, KernelSource]] = {
+    dim: register_per_dtype(
+        f"kv_decode_tc{dim}",
+        f"#define DIM {dim}\n#define UNITS {units}\n" + _DECODE_TC_BODY,
+        (
+            "T* void* T* void* i32 i64* T* T* void* i64 i64 i32 i32 i64 "
+            "i64 i64 i64 i64 i64 i64 i64 f32 i32 i32 i32 u32*"
+        ),
+        _decode_tc_twin(dim),
+        suffixes=("f16", "bf16"),
+    )
+    for dim, units in _TC_UNITS.items()
+}
+DECODE_MERGE_KERNELS = register_per_dtype(
+    "kv_decode_merge",
+    _DECODE_MERGE_BODY,
+    "T* f32* void* i32 i64* i64 i32 i32 i64 i32 i32 i32",
+    _merge_cpu,
+    suffixes=("f16", "bf16"),
+)
+
+
 # --- host side -----------------------------------------------------------------------------------
 
 
@@ -1302,8 +1951,10 @@ class AttentionPlan:
     lanes: int  # threads per query·key dot product
     splits: int  # context chunks (grid z); 1: no reduce kernel, no workspace
     chunk: int  # capacity per split (a multiple of kv_tile); the kernels share the live context
+    share: int  # kv_decode_tc: live tokens a split takes at least (rounded up to 16)
     shared_bytes: int
-    workspace_elems: int  # float32 elements the workspace needs (0 with one split)
+    workspace_elems: int  # elements (4 bytes) the workspace needs, counters included (0: 1 split)
+    counters: int  # of which uint32 arrival counters at the end (decode: one a row and KV head)
     grid: tuple[int, int, int]
     reason: str
 
@@ -1332,10 +1983,12 @@ def attention_plan(
     split: bool = True,
     target_blocks: int = _TARGET_BLOCKS,
     min_chunk: int = _MIN_CHUNK,
+    min_share: int = DECODE_SHARE,
 ) -> AttentionPlan:
     """Tiles, lanes and split-K for a launch. ``max_context`` bounds every query's position + 1
     (default: the capacity); ``split=False`` forces one split (no workspace); a split takes at
-    least ``min_chunk`` context tokens (tests lower it to split short contexts)."""
+    least ``min_chunk`` slots of capacity and (``kv_decode_tc``, on the device) at least
+    ``min_share`` live tokens (tests lower both to split short contexts)."""
     op = "KVAttention"
     positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     need(
@@ -1343,6 +1996,11 @@ def attention_plan(
     )
     need(0 < head_dim <= _MAX_HEAD_DIM, op, f"head_dim={head_dim} must be in (0, {_MAX_HEAD_DIM}]")
     need(capacity > 0, op, f"capacity={capacity} must be > 0")
+    need(
+        isinstance(min_share, int) and 0 < min_share <= _TC_MAX_SLOTS,
+        op,
+        f"min_share={min_share!r} must be a positive int (live tokens a decode split takes)",
+    )
     group = heads // kv_heads
     d4 = round_up(head_dim, 4)
     max_rows = min(_MAX_ROWS, _MAX_ACC * (_THREADS // d4))
@@ -1392,18 +2050,24 @@ def attention_plan(
     lanes = 1
     while lanes < 8 and rows * kv_tile * lanes < _THREADS and d4 // 4 >= 2 * lanes:
         lanes *= 2
-    workspace = batch * seq * heads * splits * (head_dim + 2) if splits > 1 else 0
+    counters = batch * kv_heads if splits > 1 and seq == 1 else 0
+    workspace = batch * seq * heads * splits * (head_dim + 2) + counters if splits > 1 else 0
     grid = (batch * n_qtiles, kv_heads, splits)
-    return AttentionPlan(q_tile, kv_tile, lanes, splits, chunk, shared, workspace, grid, reason)
+    return AttentionPlan(
+        q_tile, kv_tile, lanes, splits, chunk, min_share, shared, workspace, counters, grid, reason
+    )
 
 
 def attention_workspace(
     dev: Device, plan: AttentionPlan, *, stream: Stream, name: str = "attention-workspace"
 ) -> Buffer | None:
-    """The float32 workspace ``plan`` needs (None with one split). Use one per stream."""
+    """The float32 workspace ``plan`` needs (None with one split), zeroed: its arrival counters
+    must start at zero (each launch leaves them so). Use one per stream."""
     if not plan.workspace_elems:
         return None
-    return dev.alloc(plan.workspace_elems, np.float32, stream=stream, name=name)
+    workspace = dev.alloc(plan.workspace_elems, np.float32, stream=stream, name=name)
+    dev.fill(workspace, 0, stream=stream)
+    return workspace
 
 
 def _check_strides(op: str, strides: KVStrides) -> None:
@@ -1627,7 +2291,28 @@ def kv_attention(
         scale = float(np.float32(1.0 / np.sqrt(head_dim)))  # what the reference uses
     per16 = FLOAT_DTYPES[query.dtype][2]
     vec = _vector_ok(strides, head_dim, per16, key_cache, value_cache)
-    decode = _decode_ok(plan, seq, heads // kv_heads, head_dim, per16, vec, query, q_tok)
+    group = heads // kv_heads
+    if _decode_tc_ok(plan, seq, group, head_dim, vec, query, out, q_tok, capacity):
+        # The most live splits a launch can have: positions < capacity, share >= min_share.
+        most = min(plan.splits, -(-capacity // round_up(plan.share, 16)))
+        merge_limit = plan.splits if most <= _TC_MERGE_MAX else _TC_MERGE_MAX
+        dev.kernel(DECODE_TC_KERNELS[head_dim][suffix].name).launch(
+            plan.grid,
+            _TC_THREADS,
+            out, ws, query, positions, pos_i64, lengths, key_cache, value_cache, table, cols,
+            batch, heads, kv_heads, q_tok, strides.batch, strides.token, strides.head,
+            strides.page, strides.page_size, capacity, key_cache.size, scale, plan.splits,
+            plan.share, merge_limit, status,
+            stream=stream,
+        )  # fmt: skip
+        if most > _TC_MERGE_MAX:  # exits at once unless more than merge_limit splits are live
+            rows = batch * heads
+            dev.kernel(DECODE_MERGE_KERNELS[suffix].name).launch(
+                rows, _THREADS, out, ws, positions, pos_i64, lengths, batch, heads, head_dim,
+                capacity, plan.splits, plan.share, merge_limit, stream=stream,
+            )  # fmt: skip
+        return plan
+    decode = _decode_ok(plan, seq, group, head_dim, per16, vec, query, q_tok)
     kernel = dev.kernel((DECODE_KERNELS if decode else ATTENTION_KERNELS)[suffix].name)
     kernel.launch(
         plan.grid,
@@ -1645,6 +2330,48 @@ def kv_attention(
         reduce = dev.kernel(REDUCE_KERNELS[suffix].name)
         reduce.launch(rows, _THREADS, out, ws, rows, head_dim, plan.splits, stream=stream)
     return plan
+
+
+def attention_version() -> str:
+    """The decode kernels `ATTENTION_ENV` asks for: ``v1`` only the earlier ``kv_decode`` (and its
+    reduce kernel); ``v2`` (also when unset or empty) ``kv_decode_tc`` where it applies."""
+    value = os.environ.get(ATTENTION_ENV, "").strip().lower() or "v2"
+    need(
+        value in _ATTENTION_VERSIONS,
+        "KVAttention",
+        f"{ATTENTION_ENV}={value!r} is not an attention version; expected v1 (only the earlier "
+        "decode kernel) or v2 (the default: kv_decode_tc where it applies); unset it for the "
+        "default",
+    )
+    return value
+
+
+def _decode_tc_ok(
+    plan: AttentionPlan,
+    seq: int,
+    group: int,
+    head_dim: int,
+    vec: bool,
+    query: Buffer,
+    out: Buffer,
+    q_tok: int,
+    capacity: int,
+) -> bool:
+    """Whether ``kv_decode_tc`` runs this launch: fp16/bf16, one query token a row, head_dim 64
+    or 128, at most 8 query heads a KV head, 16-byte loads of K, V and the query, a 16-byte
+    aligned output, fewer than 2**31 slots, and `ATTENTION_ENV` not ``v1``."""
+    return (
+        seq == 1
+        and plan.q_tile == 1
+        and vec
+        and query.dtype in (np.dtype(np.float16), BF16)
+        and head_dim in DECODE_TC_KERNELS
+        and group <= _DECODE_MAX_GROUP
+        and q_tok % 8 == 0
+        and capacity <= _TC_MAX_SLOTS
+        and aligned(query, out)
+        and attention_version() == "v2"
+    )
 
 
 def _decode_ok(

@@ -147,6 +147,16 @@ def commit(device: Device, cache: Cache, k: np.ndarray, v: np.ndarray, pos: np.n
     return lengths
 
 
+def workspace_for(device: Device, plan: attention.AttentionPlan) -> Buffer | None:
+    """`attention_workspace` with its partial results poisoned (NaN): a merge that reads a partial
+    no split wrote leaves NaN in the output. The arrival counters stay zero, as they must."""
+    workspace = attention.attention_workspace(device, plan, stream=device.default_stream)
+    if workspace is not None:
+        floats = plan.workspace_elems - plan.counters
+        device.fill(workspace.view(np.uint32, (floats,)), 0xFFFFFFFF, stream=device.default_stream)
+    return workspace
+
+
 def attend(
     device: Device,
     cache: Cache,
@@ -157,7 +167,11 @@ def attend(
     kv_heads: int,
     split: bool,
     scale: float = 0.0,
+    min_chunk: int = 16,
+    min_share: int = 16,
 ) -> tuple[np.ndarray, np.ndarray, attention.AttentionPlan]:
+    """KVAttention against the reference; by default even short contexts split (16 slots a
+    split, 16 live tokens a decode split)."""
     batch, seq, heads, d = q.shape
     plan = attention.attention_plan(
         batch=batch,
@@ -167,9 +181,10 @@ def attend(
         head_dim=d,
         capacity=cache.capacity,
         split=split,
-        min_chunk=16,  # split even these short contexts
+        min_chunk=min_chunk,
+        min_share=min_share,
     )
-    workspace = poisoned(device, max(plan.workspace_elems, 1), F32) if split else None
+    workspace = workspace_for(device, plan) if split else None
     out = poisoned(device, q.shape, q.dtype)
     status = new_status(device, stream=device.default_stream)
     attention.kv_attention(
@@ -396,7 +411,9 @@ def test_split_k_plans_fill_the_gpu_and_stay_one_split_when_full() -> None:
     )
     assert decode.splits >= 128 and decode.chunk % decode.kv_tile == 0
     assert decode.splits * decode.chunk >= 32768 > (decode.splits - 1) * decode.chunk
-    assert decode.workspace_elems == 14 * decode.splits * 66
+    # partial outputs, (max, sum) pairs, then one arrival counter per row and KV head
+    assert decode.workspace_elems == 14 * decode.splits * 66 + 2 and decode.counters == 2
+    assert decode.share == 256
     short = attention.attention_plan(
         batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=2048
     )  # at most one split per 64 slots (the kernel shares out the live context)
@@ -407,6 +424,11 @@ def test_split_k_plans_fill_the_gpu_and_stay_one_split_when_full() -> None:
         batch=16, seq=512, heads=14, kv_heads=2, head_dim=64, capacity=4096
     )
     assert busy.splits == 1 and busy.workspace_elems == 0 and "fill the GPU" in busy.reason
+    prefill = attention.attention_plan(
+        batch=1, seq=8, heads=14, kv_heads=2, head_dim=64, capacity=4096
+    )
+    assert prefill.splits > 1 and prefill.counters == 0  # only decode merges in the kernel
+    assert prefill.workspace_elems == 8 * 14 * prefill.splits * 66
     off = attention.attention_plan(
         batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=32768, split=False
     )
@@ -417,6 +439,10 @@ def test_split_k_plans_fill_the_gpu_and_stay_one_split_when_full() -> None:
     assert bounded.splits * bounded.chunk < 200
     with pytest.raises(KernelArgumentError, match="must divide"):
         attention.attention_plan(batch=1, seq=1, heads=14, kv_heads=3, head_dim=64, capacity=8)
+    with pytest.raises(KernelArgumentError, match="min_share=0 must be a positive int"):
+        attention.attention_plan(
+            batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=8, min_share=0
+        )
 
 
 def test_faults_are_flagged_and_nothing_is_written_out_of_place(device: Device) -> None:
@@ -583,13 +609,23 @@ def test_a_plan_for_other_sizes_is_refused(device: Device) -> None:
         )
 
 
+@pytest.mark.parametrize("version", ["v1", "v2"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (8, 8, 128), (16, 2, 64)])
 @pytest.mark.parametrize("live", [1, 40, 300])
 def test_decode_kernel_against_the_reference(
-    device: Device, dtype: np.dtype, heads: int, kv_heads: int, head_dim: int, live: int
+    device: Device,
+    monkeypatch: pytest.MonkeyPatch,
+    version: str,
+    dtype: np.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    live: int,
 ) -> None:
-    """kv_decode (one query a row; G = 7, 1 and 8 query heads a KV head), split and not."""
+    """kv_decode (one query a row; G = 7, 1 and 8 query heads a KV head), split and not; bf16
+    runs kv_decode_tc unless GENAI_EP_ATTENTION=v1."""
+    monkeypatch.setenv(attention.ATTENTION_ENV, version)
     rng = np.random.default_rng(live + heads)
     batch, capacity = 2, 512
     cache = make_cache(
@@ -614,9 +650,14 @@ def test_decode_kernel_against_the_reference(
     for split in (False, True):
         got, want, plan = attend(device, cache, q, dpos, lengths, kv_heads=kv_heads, split=split)
         per16 = 16 // dtype.itemsize
+        dq = upload(device, q)
         assert attention._decode_ok(
-            plan, 1, heads // kv_heads, head_dim, per16, True, upload(device, q), heads * head_dim
+            plan, 1, heads // kv_heads, head_dim, per16, True, dq, heads * head_dim
         )
+        tc = attention._decode_tc_ok(
+            plan, 1, heads // kv_heads, head_dim, True, dq, dq, heads * head_dim, capacity
+        )
+        assert tc == (version == "v2" and dtype == BF16)
         assert rel_err(got, want) <= TOL[dtype], (split, plan.splits)
 
 
@@ -632,3 +673,298 @@ def test_decode_kernel_is_chosen_only_where_it_applies(device: Device) -> None:
         batch=1, seq=4, heads=14, kv_heads=2, head_dim=64, capacity=64
     )
     assert not attention._decode_ok(prefill, 4, 7, 64, 8, True, q, 14 * 64)
+
+
+# --- kv_decode_tc (fp16/bf16 decode on tensor cores) -------------------------------------------
+
+TC_DTYPES = [np.dtype(np.float16), BF16]
+
+
+def filled(
+    device: Device,
+    layout: str,
+    *,
+    dtype: np.dtype,
+    lens: list[int],
+    kv_heads: int,
+    head_dim: int,
+    capacity: int,
+    rng: np.random.Generator,
+) -> tuple[Cache, Buffer, np.ndarray]:
+    """A cache whose row b holds lens[b] random tokens; returns it, KVCommit's lengths and the
+    decode positions (each row's last token; -1, padding, for an empty row)."""
+    cache = make_cache(
+        device,
+        layout,
+        batch=len(lens),
+        capacity=capacity,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        rng=rng,
+    )
+    seq = max(max(lens), 1)
+    shape = (len(lens), seq, kv_heads, head_dim)
+    pos = left_padded(lens, seq)
+    lengths = commit(device, cache, random_kv(rng, shape, dtype), random_kv(rng, shape, dtype), pos)
+    last = np.array([[n - 1] for n in lens], dtype=np.int64)  # 0 tokens: position -1
+    return cache, lengths, last
+
+
+@pytest.mark.parametrize("dtype", TC_DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [
+        (14, 2, 64),
+        (16, 2, 128),
+        (2, 2, 64),
+        (8, 4, 128),
+        (12, 3, 64),
+        (6, 2, 128),
+        (10, 2, 64),
+        (12, 2, 64),
+    ],  # G = 7, 8, 1, 2, 4, 3, 5, 6
+)
+@pytest.mark.parametrize(
+    ("lens", "min_share"),
+    [
+        ([0, 1, 17], 16),  # padding, one token, two splits (in-kernel merge)
+        ([16, 33, 255], 16),  # a split boundary, an odd length, 16 live splits (in-kernel)
+        ([257, 300, 40], 16),  # 17 and 19 live splits: kv_decode_merge
+        ([1, 255, 300], 256),  # the default share: one or two splits
+    ],
+)
+def test_decode_tc_against_the_reference(
+    device: Device,
+    dtype: np.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    lens: list[int],
+    min_share: int,
+) -> None:
+    """G = 1..8 query heads a KV head, head_dim 64 and 128, every way a row can be cut."""
+    rng = np.random.default_rng(sum(lens) + heads + head_dim)
+    cache, lengths, last = filled(
+        device,
+        "seq_major",
+        dtype=dtype,
+        lens=lens,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        capacity=512,
+        rng=rng,
+    )
+    q = (rng.standard_normal((len(lens), 1, heads, head_dim)) * 2).astype(dtype)
+    for split in (False, True):
+        got, want, plan = attend(
+            device, cache, q, last, lengths, kv_heads=kv_heads, split=split, min_share=min_share
+        )
+        dq = upload(device, q)
+        assert attention._decode_tc_ok(
+            plan, 1, heads // kv_heads, head_dim, True, dq, dq, heads * head_dim, 512
+        )
+        assert rel_err(got, want) <= TOL[dtype], (split, plan.splits)
+        assert (got[np.array(lens) == 0] == 0).all()  # a padding query outputs zeros
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (4, 2, 128)])
+@pytest.mark.parametrize("min_share", [16, 256])
+def test_decode_tc_in_every_layout(
+    device: Device, layout: str, heads: int, kv_heads: int, head_dim: int, min_share: int
+) -> None:
+    rng = np.random.default_rng(hash((layout, head_dim, min_share)) % 2**32)
+    lens = [5, 100, 300]
+    cache, lengths, last = filled(
+        device,
+        layout,
+        dtype=BF16,
+        lens=lens,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        capacity=320,
+        rng=rng,
+    )
+    q = rng.standard_normal((len(lens), 1, heads, head_dim)).astype(BF16)
+    got, want, _ = attend(
+        device, cache, q, last, lengths, kv_heads=kv_heads, split=True, min_share=min_share
+    )
+    assert rel_err(got, want) <= TOL[BF16]
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(14, 2, 64), (12, 2, 128)])
+def test_decode_tc_replayed_as_the_context_grows(
+    device: Device, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """The decode graph's case: one launch captured for 2048 slots with the executor's plan,
+    replayed for live lengths 0..2048 (the share is cut on the device). Every slot holds data, so
+    the tokens past the position (split 0 loads them before it knows the position) must be
+    masked; the output is poisoned before each replay, and the arrival counters are zero after
+    each (a replay that left one behind would never merge again)."""
+    rng = np.random.default_rng(head_dim)
+    s = device.default_stream
+    capacity = 2048
+    cache, lengths, _ = filled(
+        device,
+        "seq_major",
+        dtype=BF16,
+        lens=[capacity],
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        capacity=capacity,
+        rng=rng,
+    )
+    plan = attention.attention_plan(
+        batch=1, seq=1, heads=heads, kv_heads=kv_heads, head_dim=head_dim, capacity=capacity
+    )
+    assert plan.splits == 32 and plan.share == 256
+    workspace = workspace_for(device, plan)
+    assert workspace is not None
+    positions = upload(device, np.zeros((1, 1), np.int64))
+    q = rng.standard_normal((1, 1, heads, head_dim)).astype(BF16)
+    dq = upload(device, q)
+    out = poisoned(device, q.shape, BF16)
+    status = new_status(device, stream=s)
+    for name in (
+        attention.DECODE_TC_KERNELS[head_dim]["bf16"].name,
+        attention.DECODE_MERGE_KERNELS["bf16"].name,
+    ):
+        device.kernel(name).load()
+    with device.capture(stream=s) as cap:
+        attention.kv_attention(
+            device,
+            out,
+            dq,
+            positions,
+            lengths,
+            cache.dkey,
+            cache.dvalue,
+            batch=1,
+            seq=1,
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            strides=cache.strides,
+            capacity=capacity,
+            workspace=workspace,
+            plan=plan,
+            status=status,
+            stream=s,
+        )
+    assert cap.graph.launches == 1  # at most 8 live splits: merged in the kernel, no reduce
+    counters = workspace.view(np.uint32, offset=4 * (plan.workspace_elems - plan.counters))
+    for p in (0, 39, 127, 255, 256, 511, 1000, 2047, -1, 40):
+        pos = np.array([[p]], np.int64)
+        positions.copy_from_host(pos, stream=s)
+        device.fill(out.view(np.uint16), 0xFFFF, stream=s)
+        cap.graph.launch(stream=s)
+        check_faults(device, status, stream=s)
+        want = ref.kv_attention_from(
+            cache.key,
+            cache.value,
+            q,
+            pos,
+            np.array([capacity]),
+            cache.geometry,
+            kv_heads=kv_heads,
+            scale=0.0,
+        )
+        assert rel_err(out.to_host(stream=s), want) <= TOL[BF16], p
+        assert (counters.to_host(stream=s) == 0).all(), p
+    cap.graph.close()
+
+
+def test_decode_tc_faults(device: Device) -> None:
+    """A position past the committed length: zeros and KV_POSITION; a block-table page that is
+    gone inside the live context: KV_PAGE (that query's output is unspecified)."""
+    rng = np.random.default_rng(31)
+    s = device.default_stream
+    lens = [40, 300]
+    cache, lengths, last = filled(
+        device, "paged", dtype=BF16, lens=lens, kv_heads=2, head_dim=64, capacity=320, rng=rng
+    )
+    assert cache.table is not None
+    q = rng.standard_normal((2, 1, 14, 64)).astype(BF16)
+    plan = attention.attention_plan(
+        batch=2, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=320, min_chunk=16, min_share=16
+    )
+
+    def run(positions: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, int]:
+        """The output and the fault bits the launch flagged."""
+        out = poisoned(device, q.shape, BF16)
+        status = new_status(device, stream=s)
+        attention.kv_attention(
+            device,
+            out,
+            upload(device, q),
+            upload(device, positions),
+            lengths,
+            cache.dkey,
+            cache.dvalue,
+            batch=2,
+            seq=1,
+            heads=14,
+            kv_heads=2,
+            head_dim=64,
+            strides=cache.strides,
+            capacity=320,
+            block_table=upload(device, table),
+            table_cols=cache.table_cols,
+            workspace=workspace_for(device, plan),
+            plan=plan,
+            status=status,
+            stream=s,
+        )
+        with pytest.raises(KernelFaultError) as info:
+            check_faults(device, status, stream=s)
+        return out.to_host(stream=s), info.value.faults
+
+    got, faults = run(np.array([[39], [300]], np.int64), cache.table)  # 300 >= row 1's length
+    assert faults == KernelFault.KV_POSITION
+    assert (got[1] == 0).all() and np.isfinite(got[0].astype(np.float32)).all()
+    want = ref.kv_attention_from(
+        cache.key,
+        cache.value,
+        q[:1],
+        last[:1],
+        np.array([40]),
+        cache.geometry,
+        kv_heads=2,
+        scale=0.0,
+        block_table=cache.table[:1],
+    )
+    assert rel_err(got[:1], want) <= TOL[BF16]  # the other row is untouched by the fault
+    table = cache.table.copy()
+    table[1, 5] = -1  # tokens 80..95 of row 1 lose their page
+    _, faults = run(last, table)
+    assert faults == KernelFault.KV_PAGE
+
+
+def test_decode_tc_is_chosen_only_where_it_applies(
+    device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plan = attention.attention_plan(batch=1, seq=1, heads=14, kv_heads=2, head_dim=64, capacity=64)
+    q = upload(device, np.zeros((1, 1, 14, 64), BF16))
+    ok = attention._decode_tc_ok
+    assert ok(plan, 1, 7, 64, True, q, q, 14 * 64, 64)
+    assert ok(plan, 1, 8, 128, True, q, q, 16 * 128, 64)
+    q32 = upload(device, np.zeros((1, 1, 14, 64), np.float32))
+    assert not ok(plan, 1, 7, 64, True, q32, q32, 14 * 64, 64)  # fp32: no tensor-core path
+    assert not ok(plan, 1, 7, 96, True, q, q, 14 * 96, 64)  # head_dim 64 or 128 only
+    assert not ok(plan, 1, 7, 256, True, q, q, 14 * 256, 64)
+    assert not ok(plan, 1, 9, 64, True, q, q, 18 * 64, 64)  # > 8 query heads a KV head
+    assert not ok(plan, 1, 7, 64, False, q, q, 14 * 64, 64)  # no 16-byte K/V loads
+    assert not ok(plan, 1, 7, 64, True, q, q, 14 * 64 + 4, 64)  # query rows not 16-byte aligned
+    shifted = q.view(BF16, (14 * 64 - 8,), offset=2)
+    assert not ok(plan, 1, 7, 64, True, q, shifted, 14 * 64, 64)  # unaligned output
+    assert not ok(plan, 1, 7, 64, True, q, q, 14 * 64, 2**31)  # int32 token indices
+    prefill = attention.attention_plan(
+        batch=1, seq=4, heads=14, kv_heads=2, head_dim=64, capacity=64
+    )
+    assert not ok(prefill, 4, 7, 64, True, q, q, 14 * 64, 64)
+    monkeypatch.setenv(attention.ATTENTION_ENV, "v1")
+    assert not ok(plan, 1, 7, 64, True, q, q, 14 * 64, 64)
+    monkeypatch.setenv(attention.ATTENTION_ENV, "v3")
+    with pytest.raises(KernelArgumentError, match="GENAI_EP_ATTENTION='v3' is not an attention"):
+        ok(plan, 1, 7, 64, True, q, q, 14 * 64, 64)
