@@ -346,16 +346,23 @@ def test_the_cli_gives_genai_int4_tokens(capsys, offload: tuple[str, ...]) -> No
         assert off["htod_bytes"] > 0 and off["peak_device_bytes"] <= off["budget_bytes"]
 
 
+CUDA_RUNS = {
+    "resident": [],
+    "scan_resistant-50%": ["--offload", "scan_resistant", "--set", "offload.budget=50%"],
+    "lru-50%": ["--offload", "lru", "--set", "offload.budget=50%"],
+    "scan_resistant-25%-pieces": ["--offload", "scan_resistant", "--set", "offload.budget=25%",
+                                  "--set", "offload.piece=8KiB"],
+}  # fmt: skip
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("offload", [(), ("--offload", "scan_resistant"), ("--offload", "lru")],
-                         ids=["resident", "scan_resistant", "lru"])  # fmt: skip
-def test_cuda_gives_genai_int4_tokens(capsys, offload: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("run", sorted(CUDA_RUNS))
+def test_cuda_gives_genai_int4_tokens(capsys, run: str) -> None:
     ok, reason = cuda_available()  # raises on a present-but-broken driver: that must fail
     if not ok:
         pytest.skip(reason)
-    argv = [*offload, "--set", "offload.budget=50%"] if offload else []
-    out = run_json(capsys, "--device", "cuda", *argv)
+    out = run_json(capsys, "--device", "cuda", *CUDA_RUNS[run])
     assert out["tokens"] == GENAI
     capture = out["metrics"]["capture"]
-    if offload[1:] != ("lru",):
+    if not run.startswith("lru"):
         assert capture["captures"] > 0 and capture["fallbacks"] == 0
