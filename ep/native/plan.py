@@ -925,7 +925,7 @@ def _same_pieces(
     node: Node, group: list[SplitWeight | None]
 ) -> tuple[list[SplitWeight], list[tuple[int, int]]] | None:
     """The pieces of one node's weights that share output boundaries; None when all are whole."""
-    if group[0] is None and all(g is None for g in group):
+    if all(g is None for g in group):
         return None
     splits = [g for g in group if g is not None]
     bounds = [(p.start, p.stop) for p in splits[0].pieces]
