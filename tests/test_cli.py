@@ -84,6 +84,10 @@ def test_kernels_lists_the_native_executors_kernels_too() -> None:
 
     names = register_all_kernels()
     assert {"native_advance", "native_add_bias_bf16", "ep_gemv_nk_bf16"} <= set(names)
+    # the 4-bit embedding (GatherBlockQuantized of onnxruntime-genai int4 models)
+    assert {"embed_gather", "embed_q4_f32", "embed_q4_f16", "embed_q4_bf16"} <= set(names)
+    # int8 activations of MatMulNBits accuracy_level 4
+    assert {f"native_int8_blocks_{dt}" for dt in ("f32", "f16", "bf16")} <= set(names)
 
 
 def test_kernels_rejects_ptx_style_architectures(capsys) -> None:

@@ -6,8 +6,12 @@ projection), rounded once to the dtype, as NumPy's same-dtype add does. ``native
 token loop's bookkeeping after sampling: the sampled id goes to the input ids and to slot
 ``slot`` of the token history, and every live position (>= 0) moves one forward.
 ``native_mask_ids_<dt>``: ``logits[b, ids[i]] = -inf`` for every row and listed id (EOS and stop
-ids before ``min_new_tokens``), so the argmax that follows never picks them. Each has a NumPy
-twin, so the CPU device runs the same calls.
+ids before ``min_new_tokens``), so the argmax that follows never picks them.
+``native_int8_blocks_<dt>``: the activations of a MatMulNBits with ``accuracy_level=4`` as ONNX
+Runtime's CPU sees them, rounded to int8 steps of each block's amax
+(`ep.ops.matmul.round_to_int8_blocks`; one warp per block of K, bitwise equal to it: the scale,
+its inverse and each value are one IEEE division or multiply apiece). Each has a NumPy twin, so
+the CPU device runs the same calls.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from ep.device import Buffer, Device, Stream
 from ep.kernels._common import (
     check_buffer,
     dtype_suffix,
+    need,
+    positive,
     register_one,
     register_per_dtype,
     threads_for,
 )
+from ep.ops.matmul import round_to_int8_blocks
 
-__all__ = ["add_bias", "advance", "cast_f32", "mask_ids"]
+__all__ = ["add_bias", "advance", "cast_f32", "int8_blocks", "mask_ids"]
 
 _ADD = r"""
 extern "C" __global__ void KERNEL(T* out, const T* x, const T* bias, i64 rows, i64 cols) {
@@ -63,6 +70,28 @@ extern "C" __global__ void KERNEL(T* logits, const long long* ids, long long bat
 """
 
 
+_INT8 = r"""
+extern "C" __global__ void __launch_bounds__(32) KERNEL(
+    T* __restrict__ out, const T* __restrict__ x, i64 rows, i64 cols, int block_size,
+    int k_blocks) {
+    const i64 blk = blockIdx.x;  // one warp per (row, block of K)
+    if (blk >= rows * (i64)k_blocks) return;
+    const i64 row = blk / k_blocks;
+    const i64 lo = row * cols + (blk % k_blocks) * (i64)block_size;
+    const int n = (int)min((i64)block_size, row * cols + cols - lo);
+    float amax = 0.0f;
+    for (int j = threadIdx.x; j < n; j += 32) amax = fmaxf(amax, fabsf(to_f32(x[lo + j])));
+    amax = warp_max(amax);
+    const float scale = amax / 127.0f;  // IEEE division (NVRTC's default -prec-div=true)
+    const float inverse = amax != 0.0f ? 127.0f / amax : 0.0f;
+    for (int j = threadIdx.x; j < n; j += 32) {
+        const float q = fminf(fmaxf(rintf(to_f32(x[lo + j]) * inverse), -127.0f), 127.0f);
+        out[lo + j] = from_f32<T>(q * scale);
+    }
+}
+"""
+
+
 def _add_cpu(
     out: np.ndarray, x: np.ndarray, bias: np.ndarray, rows: np.int64, cols: np.int64
 ) -> None:
@@ -90,6 +119,19 @@ def _advance_cpu(
     positions[:b][live] += 1
 
 
+def _int8_cpu(
+    out: np.ndarray,
+    x: np.ndarray,
+    rows: np.int64,
+    cols: np.int64,
+    block_size: np.int32,
+    k_blocks: np.int32,
+) -> None:
+    r, c = int(rows), int(cols)
+    y = round_to_int8_blocks(x[: r * c].reshape(r, c), block_size=int(block_size))
+    out[: r * c] = y.reshape(-1)
+
+
 def _mask_cpu(
     logits: np.ndarray, ids: np.ndarray, batch: np.int64, count: np.int64, stride: np.int64
 ) -> None:
@@ -103,6 +145,9 @@ ADD_KERNELS = register_per_dtype(
 CAST_KERNELS = register_per_dtype("native_cast_f32", _CAST, ("f32*", "T*", "i64"), _cast_cpu)
 MASK_KERNELS = register_per_dtype(
     "native_mask_ids", _MASK, ("T*", "i64*", "i64", "i64", "i64"), _mask_cpu
+)
+INT8_KERNELS = register_per_dtype(
+    "native_int8_blocks", _INT8, ("T*", "T*", "i64", "i64", "i32", "i32"), _int8_cpu
 )
 ADVANCE_KERNEL = register_one(
     "native_advance", _ADVANCE, ("i64*", "i64*", "i64*", "i64*", "i64", "i64"), _advance_cpu
@@ -191,4 +236,23 @@ def mask_ids(
     grid, threads = _grid(batch * count)
     dev.kernel(MASK_KERNELS[suffix].name).launch(
         grid, threads, logits, ids, batch, count, vocab, stream=stream
+    )
+
+
+def int8_blocks(
+    dev: Device, out: Buffer, x: Buffer, *, rows: int, cols: int, block_size: int, stream: Stream
+) -> None:
+    """``out = round_to_int8_blocks(x)`` for ``rows`` contiguous rows of ``cols`` (K) values,
+    blocks of ``block_size`` along each row (``out`` apart from ``x``). One float dtype."""
+    op = "Int8Activations"
+    positive(op, rows=rows, cols=cols, block_size=block_size)
+    need(block_size > 0, op, f"block_size={block_size} must be > 0")
+    suffix = dtype_suffix(x.dtype, op)
+    check_buffer(op, "x", x, rows * cols, x.dtype)
+    check_buffer(op, "out", out, rows * cols, x.dtype)
+    if rows * cols == 0:
+        return
+    k_blocks = -(-cols // block_size)
+    dev.kernel(INT8_KERNELS[suffix].name).launch(
+        rows * k_blocks, 32, out, x, rows, cols, block_size, k_blocks, stream=stream
     )

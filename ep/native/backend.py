@@ -30,6 +30,7 @@ and captures and replays are reported to the store (`CaptureManager`). `offload_
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 from collections.abc import Mapping, Sequence
@@ -539,7 +540,8 @@ def offload_store(
     pieces along its output axis, in that order piece by piece. The store gets one staging slot
     more than the most weights (or pieces) one kernel reads at once (at least 2), and a policy
     that reserves slots of its own (``slots``, e.g. scan_resistant) must reserve at least as
-    many.
+    many; one whose ``slots`` is None (reserve what the store uses) plans, as a copy, with the
+    store's count.
     """
     reads = weight_reads(program)
     tables = {n for r in reads if r.op in _EXECUTOR_TABLES for n in r.weights}
@@ -564,8 +566,11 @@ def offload_store(
                     ops[stored] = read.op
                     order.append(stored)
     slots = together + 1
-    reserved = getattr(policy, "slots", None)
-    if isinstance(reserved, int) and not isinstance(reserved, bool):
+    reserved = getattr(policy, "slots", False)  # False: the policy has no slots of its own
+    if reserved is None:  # the policy reserves whatever the store uses: tell a copy of it
+        policy = copy.copy(policy)
+        policy.slots = slots  # type: ignore[attr-defined]  # the attribute exists: it is None
+    elif isinstance(reserved, int) and not isinstance(reserved, bool):
         if reserved < slots:
             name = getattr(policy, "name", type(policy).__name__)
             raise OffloadError(

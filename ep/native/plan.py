@@ -28,6 +28,15 @@ projection's bias ``Add`` (when its sum feeds nothing but the q/k/v views), the 
 the ``KVCommit`` of the rotated k (when nothing else reads it) — bitwise what the separate calls
 store, without the biased sum and the rotated k ever reaching memory (they get no arena bytes).
 ``GENAI_EP_FUSE=0`` (`FUSE_ENV`, read when a plan is made) binds every node on its own.
+
+4-bit embedding (GatherBlockQuantized, uint8 data, bits 4, gather_axis 0, quantize_axis 1): the
+onnxruntime-genai builder gathers it from the tied head's MatMulNBits B through a Reshape
+([V, k_blocks, block/2] -> [V, hidden/2]). A Reshape, BitCast or Identity of an initializer is
+the initializer itself here (an alias with the Reshape's shape: `_weight_shape`), so the gather
+and the head read one weight, bound or fetched once per read. Its weights are (data, scales[,
+zero points]) and may be held in pieces of vocabulary rows: the same `SplitSpec` as the head's
+MatMulNBits (rows of B/scales/zero points are output indices there, token ids here; both are the
+leading axis of the same row-major bytes), so a tied table is split once, for both readers.
 """
 
 from __future__ import annotations
@@ -109,7 +118,47 @@ def _spec_of(node: Node, read: WeightRead, program: Program) -> dict[str, SplitS
         if len(group) == wanted and len(set(group)) == wanted:
             spec = SplitSpec(group, (0,) * wanted, int(node.attrs["N"]))
             out.update(dict.fromkeys(group, spec))
+    elif node.op == "GatherBlockQuantized":
+        # rows of the data's leading axis (token ids), with their scales and zero points; the
+        # same spec as a tied head's MatMulNBits when the vocabulary is its N
+        group = tuple(names)
+        wanted = 3 if len(node.inputs) > 3 and node.inputs[3] else 2
+        data = _weight_shape(program, node.inputs[0])
+        if len(group) == wanted and len(set(group)) == wanted and len(data) == 2:
+            spec = SplitSpec(group, (0,) * wanted, int(data[0]))
+            out.update(dict.fromkeys(group, spec))
     return out
+
+
+def _reshaped(shape: tuple[int, ...], target: np.ndarray) -> tuple[int, ...]:
+    """ONNX Reshape's output shape (0 copies a dim, -1 is inferred) of ``shape``."""
+    dims = [shape[i] if int(d) == 0 else int(d) for i, d in enumerate(target)]
+    if -1 in dims:
+        known = math.prod(d for d in dims if d != -1)
+        dims[dims.index(-1)] = math.prod(shape) // max(known, 1)
+    return tuple(dims)
+
+
+def _weight_shape(program: Program, name: str) -> tuple[int, ...]:
+    """The shape a node sees for weight ``name``: an initializer, or a BitCast / Identity /
+    Reshape of one (the executor reads the initializer's bytes under that shape)."""
+    found = program.arrays.get(name)
+    if found is not None:
+        return tuple(int(d) for d in found.shape)
+    for node in program.nodes:
+        if name in node.outputs and node.op in ("BitCast", "Identity", "Reshape"):
+            shape = _weight_shape(program, node.inputs[0])
+            if node.op == "Reshape":
+                target = program.arrays.get(node.inputs[1])
+                if target is None:
+                    break
+                return _reshaped(shape, target)
+            return shape
+    raise ModelError(
+        f"{program.path}: {name!r} must be an initializer (or a BitCast, Identity or Reshape of "
+        "one) for the native executor; the graph computes it, which no kernel here reads as a "
+        "weight"
+    )
 
 
 def split_specs(program: Program, exclude: frozenset[str] = frozenset()) -> list[SplitSpec]:
@@ -142,8 +191,8 @@ def _node_reads(program: Program) -> list[tuple[Node, WeightRead]]:
     reads: list[tuple[Node, WeightRead]] = []
     for node in program.nodes:
         ins = [aliases.get(n, n) for n in node.inputs]
-        if node.op in ("BitCast", "Identity") and ins[0] not in produced:
-            aliases[node.outputs[0]] = ins[0]
+        if node.op in ("BitCast", "Identity", "Reshape") and ins[0] not in produced:
+            aliases[node.outputs[0]] = ins[0]  # a weight's carrier or view: the weight itself
             continue
         produced.update(node.outputs)
         if node.op in _VIEWS:
@@ -323,6 +372,7 @@ class StepPlan:
         self.positions = device.alloc((batch, seq), np.int64, stream=stream, name=f"pos:{tag}")
         self.values: dict[str, _Value] = {}
         self.aliases: dict[str, str] = {}
+        self.weight_views: dict[str, tuple[int, ...]] = {}  # a reshaped weight's shape, by alias
         self._infer()
         # the fused QKV commits (``fuse`` None: as `FUSE_ENV` says); the arena depends on them
         self.fuse = fuse_enabled() if fuse is None else fuse
@@ -352,6 +402,50 @@ class StepPlan:
         array = self._const(name)
         return tuple(array.shape), array.dtype
 
+    def _weight_shape(self, name: str) -> tuple[int, ...]:
+        """The shape a node sees for a weight (a Reshape of an initializer has its own)."""
+        found = self.weight_views.get(name)
+        return found if found is not None else tuple(int(d) for d in self._const(name).shape)
+
+    def _infer_gbq(self, node: Node) -> None:
+        """GatherBlockQuantized as the 4-bit kernel runs it: data uint8 [V, P] (2P values a
+        row), scales [V, ceil(2P / block_size)], zero points [V, ceil(blocks / 2)] packed."""
+        a, ins = node.attrs, node.inputs
+        bits, block = int(a.get("bits", 4)), int(a.get("block_size", 128))
+        data = self._weight_shape(ins[0])
+        fix = "run this model with --backend ort"
+        if (
+            bits != 4
+            or int(a.get("gather_axis", 0)) != 0
+            or int(a.get("quantize_axis", 1)) not in (1, -1)
+            or len(data) != 2
+        ):
+            raise ModelError(
+                f"{node.name}: the native executor gathers 4-bit rows only (bits=4, gather_axis "
+                f"0, quantize_axis 1 of 2-D data); got bits={bits}, gather_axis="
+                f"{a.get('gather_axis', 0)}, quantize_axis={a.get('quantize_axis', 1)}, data "
+                f"{list(data)}; {fix}"
+            )
+        table, scales = self._const(ins[0]), self._const(ins[2])
+        vocab, hidden = data[0], 2 * data[1]
+        k_blocks = -(-hidden // block)
+        want = {"scales": (vocab, k_blocks), "zero_points": (vocab, -(-k_blocks // 2))}
+        seen = {"scales": self._weight_shape(ins[2])}
+        if len(ins) > 3 and ins[3]:
+            seen["zero_points"] = self._weight_shape(ins[3])
+            if self._const(ins[3]).dtype != np.uint8:
+                raise ModelError(f"{node.name}: zero points must be uint8 (4-bit packed); {fix}")
+        bad = {k: v for k, v in seen.items() if v != want[k]}
+        if table.dtype != np.uint8 or block < 16 or block & (block - 1) or bad:
+            raise ModelError(
+                f"{node.name}: GatherBlockQuantized data {table.dtype}{list(data)} at block_size "
+                f"{block} needs uint8 data, a power-of-two block >= 16 and "
+                f"{ {k: list(want[k]) for k in seen} }; got "
+                f"{ {k: list(v) for k, v in seen.items()} }; {fix}"
+            )
+        ids_shape, _ = self._shape_of(ins[1])
+        self._new(node.outputs[0], (*ids_shape, hidden), scales.dtype)
+
     def _new(self, name: str, shape: tuple[int, ...], dtype: Any) -> None:
         per = math.prod(shape[2:]) if len(shape) > 2 else shape[-1]
         self.values[name] = _Value(tuple(int(s) for s in shape), np.dtype(dtype), name, 0, per)
@@ -367,12 +461,24 @@ class StepPlan:
 
     def _infer_node(self, node: Node) -> None:
         op, ins, outs = node.op, node.inputs, node.outputs
-        if op in ("BitCast", "Identity"):
+        if op in ("BitCast", "Identity") or (op == "Reshape" and ins[0] not in self.values):
             src = self.values.get(ins[0])
-            if src is None:  # a weight's carrier: the initializer itself
+            if src is None:  # a weight's carrier or view: the initializer itself
                 self.aliases[outs[0]] = self.aliases.get(ins[0], ins[0])
+                shape = self._weight_shape(ins[0])
+                if op == "Reshape":
+                    shape = _reshaped(shape, self._const(ins[1]))
+                    if math.prod(shape) != math.prod(self._const(ins[0]).shape):
+                        raise ModelError(
+                            f"{node.name}: reshape of weight {ins[0]!r} "
+                            f"{self._const(ins[0]).shape} to {shape} changes its size"
+                        )
+                self.weight_views[outs[0]] = shape
             else:
                 self.values[outs[0]] = src
+            return
+        if op == "GatherBlockQuantized":
+            self._infer_gbq(node)
             return
         if op == "Gather":
             table_shape, dtype = self._shape_of(ins[0])
@@ -384,7 +490,7 @@ class StepPlan:
             x = self.values[ins[0]]
             n = x.shape[0] * x.shape[1]
             self.values[outs[0]] = _Value(x.shape, x.dtype, outs[0], 0, x.tok, n * x.tok)
-        elif op in ("RMSNorm", "Add"):
+        elif op in ("RMSNorm", "Add", "Int8Activations"):
             shape, dtype = self._shape_of(ins[0])
             self._new(outs[0], shape, dtype)
         elif op == "SkipRMSNorm":
@@ -800,23 +906,18 @@ class StepPlan:
                 for p in split.pieces
             ]
             return _PieceCall(rows, self.weights, st)
+        if node.op == "GatherBlockQuantized":
+            return self._bind_gbq_pieces(node)
         if node.op == "MatMul":
             group = [self._split(str(a["weight"]))]
         elif node.op in ("MatMulNBits", "MatMulNBitsZP"):
             group = [self._split(n) for n in ins[1 : 4 if node.op == "MatMulNBitsZP" else 3]]
         else:
             return None
-        if group[0] is None:
+        found = _same_pieces(node, group)
+        if found is None:
             return None
-        splits = [g for g in group if g is not None]
-        bounds = [(p.start, p.stop) for p in splits[0].pieces]
-        if len(splits) != len(group) or any(
-            [(p.start, p.stop) for p in g.pieces] != bounds for g in splits
-        ):
-            raise ModelError(
-                f"{node.name}: the weights of one {node.op} must be held in pieces with the same "
-                f"output boundaries (or all whole); got {[g and len(g.pieces) for g in group]}"
-            )
+        splits, bounds = found
         x = self._contiguous(node, ins[0])
         k = int(a["K"]) if node.op != "MatMul" else x.shape[-1]
         m, n_all = x.size // k, int(a["N"])
@@ -852,6 +953,40 @@ class StepPlan:
             parts.append((tuple(g.pieces[i].name for g in splits), run))
         return _PieceCall(parts, self.weights, st)
 
+    def _gbq_call(self, node: Node, **weights: Any) -> functools.partial[Any]:
+        """The 4-bit gather of ``node`` (see `_infer_gbq`); ``weights``: the buffers bound now
+        (table, scales, zero_points), the rest are passed per piece."""
+        from ep.kernels import embed
+
+        data = self._weight_shape(node.inputs[0])
+        return functools.partial(
+            embed.embed_q4, self.device, self.buffer(node.outputs[0]),
+            ids=self.buffer(node.inputs[1]), count=self.batch * self.seq, vocab=data[0],
+            hidden=2 * data[1], block_size=int(node.attrs.get("block_size", 128)),
+            row_bytes=data[1], status=self.status, stream=self.stream, **weights,
+        )  # fmt: skip
+
+    def _gbq_weights(self, node: Node) -> list[str]:
+        ins = node.inputs
+        return [ins[0], ins[2], *([ins[3]] if len(ins) > 3 and ins[3] else [])]
+
+    def _bind_gbq_pieces(self, node: Node) -> _PieceCall | None:
+        """GatherBlockQuantized over data/scales/zero points held in pieces of vocabulary rows:
+        per piece, the rows of the ids inside it (bad ids answered by the piece at row 0)."""
+        found = _same_pieces(node, [self._split(n) for n in self._gbq_weights(node)])
+        if found is None:
+            return None
+        splits, bounds = found
+        gather = self._gbq_call(node)
+        parts: list[tuple[tuple[str, ...], Callable[[list[Buffer]], None]]] = [
+            (
+                tuple(g.pieces[i].name for g in splits),
+                functools.partial(_gather_q4_piece, gather, start, stop),
+            )
+            for i, (start, stop) in enumerate(bounds)
+        ]
+        return _PieceCall(parts, self.weights, self.stream)
+
     def _bind_node(
         self, node: Node, kv: KVBinding, joined: Node | None = None
     ) -> Callable[[], object]:
@@ -871,6 +1006,10 @@ class StepPlan:
                 vocab=int(table.shape[0]), hidden=int(table.shape[1]), status=self.status,
                 stream=st,
             )  # fmt: skip
+        if op == "GatherBlockQuantized":
+            names = self._gbq_weights(node)
+            zp = buf(names[2]) if len(names) > 2 else None
+            return self._gbq_call(node, table=buf(names[0]), scales=buf(names[1]), zero_points=zp)
         if op == "RMSNorm":
             x = self._contiguous(node, ins[0])
             return functools.partial(
@@ -914,6 +1053,12 @@ class StepPlan:
             return functools.partial(
                 nk.add_bias, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]),
                 rows=x.size // x.shape[-1], cols=x.shape[-1], stream=st,
+            )  # fmt: skip
+        if op == "Int8Activations":
+            x = self._contiguous(node, ins[0])
+            return functools.partial(
+                nk.int8_blocks, dev, buf(outs[0]), buf(ins[0]), rows=x.size // x.shape[-1],
+                cols=x.shape[-1], block_size=int(a["block_size"]), stream=st,
             )  # fmt: skip
         if op == "Cast":
             x = self._contiguous(node, ins[0])
@@ -996,6 +1141,32 @@ def _gather_piece(
     gather: Callable[..., None], start: int, stop: int, buffers: list[Buffer]
 ) -> None:
     gather(table=buffers[0], first_row=start, rows=stop - start)
+
+
+def _gather_q4_piece(
+    gather: Callable[..., None], start: int, stop: int, buffers: list[Buffer]
+) -> None:
+    zero_points = buffers[2] if len(buffers) > 2 else None
+    gather(table=buffers[0], scales=buffers[1], zero_points=zero_points, first_row=start,
+           rows=stop - start)  # fmt: skip
+
+
+def _same_pieces(
+    node: Node, group: list[SplitWeight | None]
+) -> tuple[list[SplitWeight], list[tuple[int, int]]] | None:
+    """The pieces of one node's weights that share output boundaries; None when all are whole."""
+    if all(g is None for g in group):
+        return None
+    splits = [g for g in group if g is not None]
+    bounds = [(p.start, p.stop) for p in splits[0].pieces]
+    if len(splits) != len(group) or any(
+        [(p.start, p.stop) for p in g.pieces] != bounds for g in splits
+    ):
+        raise ModelError(
+            f"{node.name}: the weights of one {node.op} must be held in pieces with the same "
+            f"output boundaries (or all whole); got {[g and len(g.pieces) for g in group]}"
+        )
+    return splits, bounds
 
 
 def _matmul_piece(

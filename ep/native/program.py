@@ -2,7 +2,12 @@
 
 BitCast nodes (the fp16/bf16 carriers around this project's ops) are aliases here: the executor
 hands every op its real float dtype. Op names lose their dtype suffix (``MatMul_bf16`` is
-``MatMul``).
+``MatMul``). A few com.microsoft ops that the rewrite leaves run under their own name: MatMulNBits
+and GatherBlockQuantized (4-bit, the onnxruntime-genai builder's embedding of a tied int4 head).
+A com.microsoft MatMulNBits runs as ``MatMulNBits`` (``MatMulNBitsZP`` with zero points); with
+``accuracy_level=4`` (int8 activations on ONNX Runtime's CPU, the builder's int4 default) an
+``Int8Activations`` node is put before it (one per input and block size), which rounds the
+activations to int8 steps as MLAS does, so the tokens are onnxruntime-genai's.
 
 Weights are prepacked once here (``prepack=True``, the CUDA device's choice): a MatMul weight
 stored [K, N] (``transpose_b=0``, the ONNX orientation) that only such MatMuls read is
@@ -30,12 +35,13 @@ __all__ = ["SUPPORTED_OPS", "Node", "Program", "load_program"]
 
 SUPPORTED_OPS = frozenset(
     {
-        "Gather", "Add", "Cast", "Split", "Reshape", "BitCast", "Identity",
+        "Gather", "GatherBlockQuantized", "Add", "Cast", "Split", "Reshape", "BitCast", "Identity",
         "RMSNorm", "SkipRMSNorm", "MatMul", "MatMulNBits", "MatMulNBitsZP",
         "Rotary", "RotaryTheta", "KVCommit", "KVAttention", "KVCommitPaged", "KVAttentionPaged",
-        "SwiGLU", "SwiGLUPacked",
+        "SwiGLU", "SwiGLUPacked", "Int8Activations",
     }
 )  # fmt: skip
+_MS_DOMAIN = "com.microsoft"
 _SUFFIXES = ("_f32", "_f16", "_bf16")
 
 
@@ -85,6 +91,7 @@ def load_program(path: str | Path, *, prepack: bool = False) -> Program:
     arrays = {t.name: _array(t) for t in g.initializer}
     nodes: list[Node] = []
     bad: list[str] = []
+    int8_inputs: dict[tuple[str, int], str] = {}  # (input, block) -> its int8-rounded value
     for n in g.node:
         op = n.op_type
         if n.domain == DOMAIN:
@@ -102,8 +109,11 @@ def load_program(path: str | Path, *, prepack: bool = False) -> Program:
                 np.transpose(arrays[n.input[0]], None if perm is None else tuple(perm))
             )
             continue
-        if op not in SUPPORTED_OPS:
+        if op not in SUPPORTED_OPS or op == "Int8Activations":
             bad.append(f"{n.op_type} ({n.name})")
+            continue
+        if op == "MatMulNBits" and n.domain == _MS_DOMAIN:
+            nodes += _ms_matmul_nbits(path, n, attrs, arrays, int8_inputs)
             continue
         nodes.append(Node(op, n.name, tuple(n.input), tuple(n.output), attrs))
     if bad:
@@ -120,6 +130,44 @@ def load_program(path: str | Path, *, prepack: bool = False) -> Program:
         inputs=tuple(i.name for i in g.input),
         output=g.output[0].name,
     )
+
+
+def _ms_matmul_nbits(
+    path: Path,
+    n: onnx.NodeProto,
+    attrs: dict[str, Any],
+    arrays: dict[str, np.ndarray],
+    int8_inputs: dict[tuple[str, int], str],
+) -> list[Node]:
+    """A com.microsoft MatMulNBits as the executor runs it (see the module docstring)."""
+    inputs = [*n.input, *[""] * (6 - len(n.input))]
+    bits, block = int(attrs.get("bits", 4)), int(attrs.get("block_size", 0))
+    zp = inputs[3]
+    why = ""
+    if bits != 4:
+        why = f"bits={bits} (4-bit weights only)"
+    elif inputs[4] or inputs[5]:
+        why = "a g_idx or bias input"
+    elif zp and zp in arrays and arrays[zp].dtype != np.uint8:
+        why = f"zero points of {arrays[zp].dtype} (packed uint8 only)"
+    if why:
+        raise ModelError(
+            f"{path}: MatMulNBits {n.name} has {why}, which the native executor does not run; "
+            "run this model with --backend ort"
+        )
+    x = inputs[0]
+    out: list[Node] = []
+    if int(attrs.get("accuracy_level", 0)) == 4:
+        found = int8_inputs.get((x, block))
+        if found is None:
+            found = f"{x}/int8_blocks{block}"
+            int8_inputs[(x, block)] = found
+            name = f"{n.name}/int8_activations"
+            out.append(Node("Int8Activations", name, (x,), (found,), {"block_size": block}))
+        x = found
+    op, weights = ("MatMulNBitsZP", inputs[1:4]) if zp else ("MatMulNBits", inputs[1:3])
+    out.append(Node(op, n.name, (x, *weights), tuple(n.output), attrs))
+    return out
 
 
 def _prepack(nodes: list[Node], arrays: dict[str, np.ndarray]) -> list[Node]:

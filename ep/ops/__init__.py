@@ -28,8 +28,10 @@ from ep.ops.matmul import (
     decode_e8m0,
     dequantize_mxfp4,
     dequantize_nbits,
+    gather_block_quantized,
     quantize_mxfp4,
     quantize_nbits,
+    round_to_int8_blocks,
 )
 from ep.ops.placement import (
     OpPlacement,
@@ -102,6 +104,7 @@ __all__ = [
     "dequantize_mxfp4",
     "dequantize_nbits",
     "float_attr_exact",
+    "gather_block_quantized",
     "get_weight_resolver",
     "install",
     "kv_attention_from",
@@ -119,6 +122,7 @@ __all__ = [
     "register_session_options",
     "rng_at",
     "rope_cache",
+    "round_to_int8_blocks",
     "run",
     "run_with_iobinding",
     "set_device",

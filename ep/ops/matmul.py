@@ -6,6 +6,20 @@ nibble of byte i. scales are [N * k_blocks] (or [N, k_blocks]); zero points, whe
 [N * ceil(k_blocks/2)] (or [N, ceil(k_blocks/2)]) packed the same way (block 2j low, 2j+1 high);
 without them the zero point is 8. W[n, k] = (q - zero) * scale[n, k // block_size], Y = A @ W^T.
 
+GatherBlockQuantized (com.microsoft, uint8 data, bits=4, gather_axis=0, quantize_axis last):
+data is uint8 [V, ..., P] holding 2P values per last-axis row (element 2i low nibble of byte i,
+2i+1 high), scales [V, ..., ceil(2P/block_size)], zero points [V, ..., ceil(blocks/2)] packed
+like MatMulNBits' (default 8). ``out[ids] = (q - zero) * scale`` computed in float32 and rounded
+once to the scales' dtype (the output's). Ids in [-V, 0) count from the end; any other id
+outside [0, V) gives a zero row (ONNX Runtime's CPU kernel does both).
+
+MatMulNBits with ``accuracy_level=4`` on ONNX Runtime's CPU (MLAS CompInt8) quantizes its
+activations to int8 in blocks of ``block_size`` along K before the product: per block, scale =
+amax / 127, q = round-half-even(a * (127 / amax)) (0 when amax is 0), and the integer dot is
+scaled back. `round_to_int8_blocks` gives those activations as floats (q * scale, float32,
+rounded once to a's dtype); the float MatMulNBits of them equals the int8 product up to float
+summation order, which is what onnxruntime-genai's CPU tokens of an int4 model are made of.
+
 MXFP4 (OCP Microscaling v1.0): blocks of 32 values along K share one E8M0 scale (2^(e - 127),
 e = 255 is NaN); each value is E2M1 (sign, 2 exponent bits, 1 mantissa bit): codes 0..7 are
 0, 0.5, 1, 1.5, 2, 3, 4, 6 and codes 8..15 their negatives. B is uint8 [N, K/32, 16], element 2i
@@ -14,6 +28,7 @@ of a block in the low nibble of byte i; scales are uint8 [N, K/32].
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,11 +50,13 @@ __all__ = [
     "decode_e8m0",
     "dequantize_mxfp4",
     "dequantize_nbits",
+    "gather_block_quantized",
     "matmul_mxfp4",
     "matmul_nbits",
     "matmul_weight",
     "quantize_mxfp4",
     "quantize_nbits",
+    "round_to_int8_blocks",
 ]
 
 # --- named-weight MatMul ---------------------------------------------------------------------
@@ -128,6 +145,88 @@ def dequantize_nbits(
         zp = zp.astype(np.float32)
     w = (q - zp[..., None]) * s[..., None]
     return w.reshape(N, k_blocks * block_size)[:, :K]
+
+
+def gather_block_quantized(
+    data: np.ndarray,
+    indices: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None = None,
+    *,
+    bits: int = 4,
+    block_size: int = 128,
+    gather_axis: int = 0,
+    quantize_axis: int = -1,
+) -> np.ndarray:
+    """com.microsoft GatherBlockQuantized on uint8 data (see the module docstring).
+
+    Returns [*indices.shape, *data.shape[1:-1], 2 * data.shape[-1]] in the scales' dtype. Each
+    gathered last-axis row is dequantized by `dequantize_nbits` (padded to whole blocks first).
+    """
+    op = "GatherBlockQuantized"
+    rank = data.ndim
+    if data.dtype != np.uint8 or rank < 2:
+        raise OpError(f"{op}: data is {data.dtype}{list(data.shape)}; expected uint8 of rank >= 2")
+    if bits != 4:
+        raise OpError(f"{op}: bits={bits}; only 4-bit data is supported (uint8, two per byte)")
+    if gather_axis not in (0, -rank) or quantize_axis not in (-1, rank - 1):
+        raise OpError(
+            f"{op}: gather_axis={gather_axis}, quantize_axis={quantize_axis}; uint8 data needs "
+            f"gather_axis 0 and quantize_axis the last axis ({rank - 1})"
+        )
+    if block_size < 16 or block_size & (block_size - 1):
+        raise OpError(f"{op}: block_size={block_size} must be a power of two >= 16")
+    vocab, packed = int(data.shape[0]), int(data.shape[-1])
+    hidden = 2 * packed
+    k_blocks = -(-hidden // block_size)
+    middle = tuple(int(d) for d in data.shape[1:-1])
+    if scales.shape != (vocab, *middle, k_blocks):
+        raise OpError(
+            f"{op}: scales has shape {list(scales.shape)}; data {list(data.shape)} at "
+            f"block_size {block_size} needs {[vocab, *middle, k_blocks]}"
+        )
+    zp_cols = -(-k_blocks // 2)
+    if zero_points is not None and (
+        zero_points.dtype != np.uint8 or zero_points.shape != (vocab, *middle, zp_cols)
+    ):
+        raise OpError(
+            f"{op}: zero_points is {zero_points.dtype}{list(zero_points.shape)}; expected uint8 "
+            f"{[vocab, *middle, zp_cols]} (two 4-bit zero points a byte)"
+        )
+    ids = np.asarray(indices).astype(np.int64)
+    ids = np.where(ids < 0, ids + vocab, ids)
+    good = (ids >= 0) & (ids < vocab)
+    rows = ids[good]
+    n = rows.size * math.prod(middle)
+    # MatMulNBits rows are whole blocks: pad each gathered row with zero bytes, then cut to hidden.
+    b = np.zeros((n, k_blocks * block_size // 2), np.uint8)
+    b[:, :packed] = data[rows].reshape(n, packed)
+    zp = None if zero_points is None else zero_points[rows].reshape(n, zp_cols)
+    w = dequantize_nbits(
+        b, scales[rows].reshape(n, k_blocks), zp, K=hidden, N=n, block_size=block_size
+    )
+    out = np.zeros((*ids.shape, *middle, hidden), dtype=scales.dtype)
+    out[good] = w.reshape(rows.size, *middle, hidden).astype(scales.dtype)
+    return out
+
+
+def round_to_int8_blocks(a: np.ndarray, *, block_size: int) -> np.ndarray:
+    """``a [..., K]`` as MatMulNBits accuracy_level 4 sees it (see the module docstring): each
+    block of ``block_size`` along K (the last one may be shorter) rounded to int8 steps."""
+    if block_size < 1:
+        raise OpError(f"round_to_int8_blocks: block_size={block_size} must be >= 1")
+    k = a.shape[-1]
+    k_blocks = -(-k // block_size)
+    x = np.zeros((*a.shape[:-1], k_blocks * block_size), np.float32)
+    x[..., :k] = as_f32(a)
+    blocks = x.reshape(*a.shape[:-1], k_blocks, block_size)
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = amax / np.float32(127.0)
+    inverse = np.zeros_like(amax)
+    np.divide(np.float32(127.0), amax, out=inverse, where=amax != 0)
+    q = np.clip(np.rint(blocks * inverse), -127, 127)  # rint: round half to even, as MLAS
+    out = (q * scale).reshape(x.shape)[..., :k]
+    return out.astype(a.dtype, copy=False)
 
 
 def quantize_nbits(

@@ -344,6 +344,9 @@ def test_the_public_api_is_what_we_mean() -> None:
         "quantize_mxfp4",
         "dequantize_nbits",
         "quantize_nbits",
+        # references of com.microsoft behaviour the native executor reproduces
+        "gather_block_quantized",
+        "round_to_int8_blocks",
     }
     assert set(eo.__all__) == expected
     for name in eo.__all__:

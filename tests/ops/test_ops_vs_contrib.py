@@ -197,6 +197,169 @@ def test_quantize_nbits_packs_what_ort_reads() -> None:
         assert rel_err(feeds["a"] @ deq.T, ref) < 2e-6
 
 
+@pytest.mark.parametrize("zero_points", [False, True])
+@pytest.mark.parametrize(
+    ("k", "n", "block"), [(128, 256, 32), (96, 24, 32), (200, 40, 32), (128, 16, 64), (64, 16, 16)]
+)
+def test_int8_blocks_reproduce_matmul_nbits_accuracy_level_4(
+    zero_points: bool, k: int, n: int, block: int
+) -> None:
+    """ORT's MatMulNBits at accuracy_level 4 (int8 activations, B an initializer: MLAS packs it)
+    equals the float product of `round_to_int8_blocks` activations to float summation order, and
+    differs from the float product of the raw activations by ~1e-2 (the negative oracle)."""
+    k_blocks = -(-k // block)
+    inits = {
+        "b": RNG.integers(0, 256, size=(n, k_blocks, block // 2), dtype=np.uint8),
+        "s": (RNG.random(n * k_blocks).astype(np.float32) + 0.05) * 0.1,
+    }
+    if zero_points:
+        inits["zp"] = RNG.integers(0, 256, size=(n * -(-k_blocks // 2),), dtype=np.uint8)
+    a = _randn(2, 3, k) * 2
+    a[0, 0, :block] = 0  # an all-zero block: scale 0, no division by zero
+    names = ["a", *inits]
+    attrs: dict[str, Any] = {"K": k, "N": n, "bits": 4, "block_size": block}
+    nodes = [ms_node("MatMulNBits", names, [f"r{lv}"], accuracy_level=lv, **attrs) for lv in (4, 0)]
+    int8, float32 = run_nodes(nodes, {"a": a}, ["r4", "r0"], initializers=inits)
+    w = eo.dequantize_nbits(inits["b"], inits["s"], inits.get("zp"), K=k, N=n, block_size=block)
+    rounded = eo.round_to_int8_blocks(a, block_size=block)
+    assert rel_err(rounded @ w.T, int8) < 1e-6
+    assert rel_err(a @ w.T, int8) > 1e-3 and rel_err(a @ w.T, float32) < 1e-6
+
+
+def test_int8_blocks_are_int8_steps_of_each_blocks_amax() -> None:
+    a = _randn(4, 70).astype(np.float16)
+    got = eo.round_to_int8_blocks(a, block_size=32)
+    assert got.dtype == np.float16 and got.shape == a.shape
+    x = a.astype(np.float32)
+    for lo in (0, 32, 64):  # the last block holds 6 values
+        blk = x[:, lo : lo + 32]
+        amax = np.abs(blk).max(axis=1, keepdims=True)
+        scale = amax / np.float32(127)
+        q = np.rint(blk * (np.float32(127) / amax))
+        assert np.abs(q).max() <= 127
+        np.testing.assert_array_equal(got[:, lo : lo + 32], (q * scale).astype(np.float16))
+
+
+# --- GatherBlockQuantized ----------------------------------------------------------------------
+
+
+def _gbq_case(
+    vocab: int, middle: tuple[int, ...], hidden: int, block: int, zero_points: bool, dtype: Any
+) -> dict[str, np.ndarray]:
+    k_blocks = -(-hidden // block)
+    feeds = {
+        "data": RNG.integers(0, 256, size=(vocab, *middle, hidden // 2), dtype=np.uint8),
+        "scales": ((RNG.random((vocab, *middle, k_blocks)) + 0.05) * 0.1).astype(dtype),
+    }
+    if zero_points:
+        zp_cols = -(-k_blocks // 2)
+        feeds["zp"] = RNG.integers(0, 256, size=(vocab, *middle, zp_cols), dtype=np.uint8)
+    return feeds
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["f32", "f16"])
+@pytest.mark.parametrize("zero_points", [False, True], ids=["zp8", "zp"])
+@pytest.mark.parametrize(
+    ("vocab", "middle", "hidden", "block", "id_shape"),
+    [
+        (512, (), 128, 32, (1, 4)),  # the genai-int4 embedding: [512, 64] bytes, 4 blocks a row
+        (37, (), 200, 32, (2, 5)),  # a partial last block; 13 blocks: odd zero-point packing
+        (20, (), 90, 16, (7,)),  # 45 bytes a row: no alignment to lean on
+        (9, (3,), 64, 16, (2, 2)),  # rank-3 data: each gathered id is 3 rows of blocks
+        (64, (), 256, 128, (3,)),
+    ],
+)
+def test_gather_block_quantized_matches_ort(
+    dtype: Any,
+    zero_points: bool,
+    vocab: int,
+    middle: tuple[int, ...],
+    hidden: int,
+    block: int,
+    id_shape: tuple[int, ...],
+) -> None:
+    feeds = _gbq_case(vocab, middle, hidden, block, zero_points, dtype)
+    ids = RNG.integers(0, vocab, size=id_shape).astype(np.int64)
+    ids.reshape(-1)[0] = vocab - 1
+    ids.reshape(-1)[-1] = -1  # counts from the end, as in ONNX Gather
+    feeds["ids"] = ids
+    feeds["ids32"] = ids.astype(np.int32)
+    names = ["data", "ids", "scales", *(["zp"] if zero_points else [])]
+    attrs: dict[str, Any] = {"bits": 4, "block_size": block, "gather_axis": 0,
+                             "quantize_axis": len(middle) + 1}  # fmt: skip
+    nodes = [
+        ms_node("GatherBlockQuantized", names, ["ref"], **attrs),
+        ms_node("GatherBlockQuantized", ["data", "ids32", *names[2:]], ["ref32"], **attrs),
+    ]
+    ref, ref32 = run_nodes(nodes, feeds, ["ref", "ref32"])
+    ours = eo.gather_block_quantized(
+        feeds["data"], ids, feeds["scales"], feeds.get("zp"), bits=4, block_size=block,
+        quantize_axis=attrs["quantize_axis"],
+    )  # fmt: skip
+    assert ours.shape == ref.shape == (*id_shape, *middle, hidden)
+    assert ours.dtype == ref.dtype == np.dtype(dtype)
+    # (q - zero) * scale in float32, rounded once to the scales' dtype: bit for bit
+    np.testing.assert_array_equal(ours.view(np.uint8), ref.view(np.uint8))
+    np.testing.assert_array_equal(ref32.view(np.uint8), ref.view(np.uint8))
+
+
+def test_gather_block_quantized_out_of_range_ids_give_zero_rows_as_in_ort() -> None:
+    feeds = _gbq_case(16, (), 64, 32, True, np.float32)
+    feeds["ids"] = np.array([3, 16, -17, 15, -16, 2**40], dtype=np.int64)
+    names = ["data", "ids", "scales", "zp"]
+    attrs: dict[str, Any] = {"bits": 4, "block_size": 32, "gather_axis": 0, "quantize_axis": 1}
+    (ref,) = run_nodes([ms_node("GatherBlockQuantized", names, ["ref"], **attrs)], feeds, ["ref"])
+    ours = eo.gather_block_quantized(*(feeds[n] for n in names), bits=4, block_size=32)
+    np.testing.assert_array_equal(ours, ref)
+    assert not ours[[1, 2, 5]].any() and ours[[0, 3, 4]].any(axis=1).all()
+
+
+def test_gather_block_quantized_is_matmul_nbits_rows() -> None:
+    """A tied 4-bit head: gathering rows of its B/scales/zero points gives the rows of the
+    weight MatMulNBits multiplies with (the genai builder's embedding reads the head this way)."""
+    n, k, block = 24, 96, 32
+    w = _randn(n, k)
+    b, scales, zp = eo.quantize_nbits(w, block_size=block, zero_point=True)
+    assert zp is not None
+    full = eo.dequantize_nbits(b, scales, zp, K=k, N=n, block_size=block)
+    ids = np.array([[5, 0, 23]])
+    rows = eo.gather_block_quantized(
+        b.reshape(n, k // 2), ids, scales.reshape(n, -1), zp.reshape(n, -1), block_size=block
+    )
+    np.testing.assert_array_equal(rows[0], full[ids[0]])
+
+
+@pytest.mark.parametrize("wrong", ["swapped_nibbles", "zero_point_0"])
+def test_gather_block_quantized_comparison_detects_wrong_unpacking(wrong: str) -> None:
+    """Negative oracles: the high nibble first, or a default zero point of 0, disagree with ORT."""
+    feeds = _gbq_case(32, (), 64, 32, False, np.float32)
+    feeds["ids"] = np.arange(8, dtype=np.int64)
+    attrs: dict[str, Any] = {"bits": 4, "block_size": 32, "gather_axis": 0, "quantize_axis": 1}
+    names = ["data", "ids", "scales"]
+    (ref,) = run_nodes([ms_node("GatherBlockQuantized", names, ["ref"], **attrs)], feeds, ["ref"])
+    data, zp = feeds["data"], None
+    if wrong == "swapped_nibbles":
+        data = ((data << 4) | (data >> 4)).astype(np.uint8)
+    else:
+        zp = np.zeros((32, 1), np.uint8)
+    ours = eo.gather_block_quantized(data, feeds["ids"], feeds["scales"], zp, block_size=32)
+    assert rel_err(ours, ref) > 1e-2
+
+
+def test_gather_block_quantized_refuses_what_it_does_not_implement() -> None:
+    from ep.errors import OpError
+
+    data = np.zeros((4, 8), np.uint8)
+    scales = np.ones((4, 1), np.float32)
+    ids = np.zeros(1, np.int64)
+    with pytest.raises(OpError, match="bits=8"):
+        eo.gather_block_quantized(data, ids, scales, bits=8, block_size=16)
+    with pytest.raises(OpError, match="quantize_axis=0"):
+        eo.gather_block_quantized(data, ids, scales, block_size=16, quantize_axis=0)
+    with pytest.raises(OpError, match=r"scales has shape \[4, 2\]"):
+        eo.gather_block_quantized(data, ids, np.ones((4, 2), np.float32), block_size=16)
+
+
 # --- GroupQueryAttention vs KVCommit + KVAttention --------------------------------------------
 
 
