@@ -67,7 +67,8 @@ if want profile; then  # batch 1 and 16, then batch 1 without the launch fusions
         --loop 0 --out "$out/unfused"
 fi
 if want kernels; then
-    TAIL=14 stage 150 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch
+    TAIL=14 stage 200 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch \
+        --gemv v1,v2 --attention v1,v2
     bench_rc=$?
 fi
 if want native; then
