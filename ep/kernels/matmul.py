@@ -77,11 +77,11 @@ earlier kernels: other rounding of the sums, same weights):
 * q4 (block >= 32) / MXFP4: the whole weight has a 16-row group for each of the GPU's warps (the
   vocabulary projection) and x for 16 rows fits `_V2_MAX_SHARED`. A row's arithmetic depends on
   neither M nor N nor the grid.
-* dense [N, K]: the whole weight has at least `_V2_DENSE_MIN_ELEMENTS` elements (the H200
-  timings beside that constant: v2 wins only there), K % 8 == 0, K <= 6144 and whole N <= 16384
-  (the vocabulary projection keeps ``nk``), within the device's shared memory. Its K split (kw
-  warps, R rounds of 8 steps) depends on K only, and the choice never looks at M, so a row's
-  result does not depend on M, N or the grid (batch row identity).
+* dense [N, K]: nowhere by default (`_V2_DENSE_MIN_ELEMENTS` is None: the H200 timings beside it
+  show it losing at 16 rows more than it wins at 1, and the choice may not depend on M); with a
+  size rule set (the benchmark's ``v2-any``), weights of at least that many elements, K % 8 == 0,
+  K <= 6144 and whole N <= 16384, within the device's shared memory. Its K split (kw warps, R
+  rounds of 8 steps) depends on K only, so a row's result does not depend on M, N or the grid.
 
 Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
 rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
@@ -169,22 +169,18 @@ _V2_SLOTS = 8  # weight loads in flight a lane (epk::V2_SLOTS)
 _V2_WARPS_PER_SM = 16  # the persistent grid's target: 16 warps x 4 KB in flight an SM
 _V2_MAX_N = 16384  # whole N above this (the vocabulary projection) keeps ep_gemv_nk
 _V2_MAX_K = 6144  # 16 rows of x must fit shared memory: 16 x (6144 + 32) x 2 bytes = 193 KiB
-# Where the dense v2 runs: measured on the H200 (bf16, us a GEMV, graph replays, v1 / v2):
-#   K x N         M=1          M=4          weight elements
-#   896x128       2.55 / 2.27  2.60 / 2.93    115k
-#   896x896       3.23 / 3.30  3.30 / 3.92    803k
-#   896x1152      3.44 / 4.12  3.49 / 4.66    1.0M
-#   896x4864      6.82 / 6.52  6.97 / 7.26    4.4M
-#   4864x896      7.26 / 6.56  7.61 / 7.24    4.4M
-#   896x9728      9.77 / 9.03  9.90 / 9.87    8.7M
-# v2 wins by 4-10% on the weights of >= 4.4M elements at M = 1; at M = 4 it wins on 4864x896
-# (5%), is even on 896x9728 and loses on 896x4864 (4%); up to 1.0M elements it loses at both M
-# (896x128 at M = 1, 0.3 us, is left out: one shape at the launch floor, lost again at M = 4).
-# So: whole N x K >= 4 Mi elements (between the largest loser, 1.0M, and the smallest winner),
-# at every M: the choice must not depend on the batch, or a row of a batch would be rounded
-# differently from the same prompt run alone (DESIGN.md section 6, batch row identity); the M = 4
-# figures are even overall. The vocabulary (N > _V2_MAX_N) keeps nk.
-_V2_DENSE_MIN_ELEMENTS = 4 << 20
+# Where the dense v2 would run: measured on the H200 (bf16, us a GEMV, graph replays, v1 / v2):
+#   K x N         M=1          M=4          M=16           weight elements
+#   896x1152      3.27 / 3.27  3.34 / 3.31  3.89 / 3.84     1.0M  (v2 not planned below 4M)
+#   896x4864      6.56 / 6.29  6.82 / 7.02  8.32 / 10.17    4.4M
+#   4864x896      7.07 / 6.54  7.32 / 7.22  8.16 / 11.03    4.4M
+#   896x9728      9.27 / 8.82  9.60 / 9.67 11.48 / 13.12    8.7M
+# v2 wins 4-8 % at M = 1 on the weights of >= 4.4M elements and loses 14-35 % at M = 16. The
+# choice may not depend on M (a row of a batch would be rounded differently from the same prompt
+# run alone: DESIGN.md section 6, batch row identity), and a batch of 16 loses more than a single
+# row gains, so the plan takes the dense v2 nowhere: None. `tools/bench_kernels.py --gemv
+# v1,v2-any` times it on every shape (it sets this to 0: every weight of >= 0 elements).
+_V2_DENSE_MIN_ELEMENTS: int | None = None
 
 
 # --- source and registration -------------------------------------------------------------------
@@ -767,6 +763,8 @@ def _plan_v2(
             return f"K={K} > {_V2_MAX_K}: x does not fit shared memory"
         if whole > _V2_MAX_N:
             return f"N={whole} > {_V2_MAX_N}: many columns, the one-wave split-K GEMV streams them"
+        if _V2_DENSE_MIN_ELEMENTS is None:
+            return "the dense v2 is planned nowhere (it loses at 16 rows: `_V2_DENSE_MIN_ELEMENTS`)"
         if whole * K < _V2_DENSE_MIN_ELEMENTS:
             return (
                 f"N x K = {whole} x {K} < {_V2_DENSE_MIN_ELEMENTS} elements: the split-K GEMV "

@@ -1234,7 +1234,7 @@ LAYER = {  # (K, N) -> (warps a block, blocks on 132 SMs)
     (896, 9728): (4, 406),  # gate + up: 1216 tiles, 3 a block
     (4864, 896): (16, 112),  # down: 2 rounds of 8 steps a warp
 }
-# (K, N) -> v2 faster at M = 1 on the H200 (bf16; at M = 4 it is not, or not clearly, anywhere)
+# (K, N) -> v2 planned once the size rule is 4 Mi elements (it was measured faster at M = 1 there)
 H200_DENSE_V2_WINS = {
     (896, 128): False,
     (896, 896): False,
@@ -1257,20 +1257,25 @@ def _suffix(dtype: np.dtype) -> str:
     return DTYPE_IDS[DTYPES.index(dtype)]
 
 
-def test_dense_v2_is_planned_only_where_the_h200_measured_it_faster(
+def test_dense_v2_is_planned_nowhere_by_default_and_by_weight_size_when_opened(
     cpu_device: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
+    for dtype in HALF:  # the default: no shape, no batch size (it loses at 16 rows)
+        for K, N in H200_DENSE_V2_WINS:
+            for M in range(1, GEMV_MAX_ROWS + 1):
+                plan = plan_matmul("nk", dtype, M=M, N=N, K=K, workspace=ws, sm_count=132)
+                assert plan.kernel == f"ep_gemv_nk_{_suffix(dtype)}", (K, N, M)
+                assert "v2 not taken: " in plan.reason
+    assert "planned nowhere" in plan_matmul("nk", BF16, M=1, N=9728, K=896).reason
+    monkeypatch.setattr(matmul, "_V2_DENSE_MIN_ELEMENTS", 4 << 20)
     for dtype in HALF:
         for (K, N), wins in H200_DENSE_V2_WINS.items():
             for M in range(1, GEMV_MAX_ROWS + 1):
                 plan = plan_matmul("nk", dtype, M=M, N=N, K=K, workspace=ws, sm_count=132)
                 v2 = plan.kernel == f"ep_gemv_nk_v2_{_suffix(dtype)}"
                 assert v2 == wins, (K, N, M, plan.reason)  # at every M: batch row identity
-                if not v2:
-                    assert plan.kernel == f"ep_gemv_nk_{_suffix(dtype)}"
-                    assert "v2 not taken: " in plan.reason
-    # the boundary is 4 Mi elements of the whole weight, whatever its shape
+    # the boundary is the rule's elements of the whole weight, whatever its shape
     assert "_v2_" in plan_matmul("nk", BF16, M=1, N=4096, K=1024).kernel
     below = plan_matmul("nk", BF16, M=1, N=4088, K=1024)
     assert "_v2_" not in below.kernel
@@ -1286,6 +1291,7 @@ def test_dense_v2_is_planned_only_where_the_h200_measured_it_faster(
     assert plan_matmul("nk", BF16, M=1, N=9728, K=896).kernel == "ep_gemv_nk_bf16"
 
 
+@pytest.mark.usefixtures("dense_v2_anywhere")
 @pytest.mark.parametrize("dtype", HALF, ids=HALF_IDS)
 def test_dense_v2_rule_through_the_wrapper(
     device: Device,
@@ -1295,7 +1301,8 @@ def test_dense_v2_rule_through_the_wrapper(
     rel_error: RelError,
     dtype: np.dtype,
 ) -> None:
-    """gate/up runs v2 at M = 1 and 2 (never a batch-dependent choice); both match the reference."""
+    """With the rule opened, gate/up runs v2 at M = 1 and 2 (never a batch-dependent choice);
+    both match the reference."""
     s = device.default_stream
     N, K = 4864, 896
     w = _weights(rng, (N, K), K).astype(dtype)
@@ -1339,6 +1346,7 @@ def test_v2_plans_the_layer_shapes_the_same_at_every_m(cpu_device: Device) -> No
 def test_v2_falls_back_to_the_split_k_gemv_with_a_reason(
     cpu_device: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(matmul, "_V2_DENSE_MIN_ELEMENTS", 4 << 20)  # the size rule, opened
     def plan(**kw: object) -> matmul.MatmulPlan:
         args: dict[str, object] = {"M": 1, "N": 4864, "K": 896, **kw}
         dtype = args.pop("dtype", BF16)
