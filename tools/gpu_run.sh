@@ -56,7 +56,7 @@ stage() {  # stage LIMIT NAME COMMAND...
 
 cuda_rc=0 bench_rc=0 native_rc=0
 if want tests; then
-    TAIL=15 stage 240 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
+    TAIL=15 stage 420 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
         --junitxml="$out/pytest-cuda.xml" tests
     cuda_rc=$?
 fi
