@@ -1347,6 +1347,7 @@ def test_v2_falls_back_to_the_split_k_gemv_with_a_reason(
     cpu_device: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(matmul, "_V2_DENSE_MIN_ELEMENTS", 4 << 20)  # the size rule, opened
+
     def plan(**kw: object) -> matmul.MatmulPlan:
         args: dict[str, object] = {"M": 1, "N": 4864, "K": 896, **kw}
         dtype = args.pop("dtype", BF16)
