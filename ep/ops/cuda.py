@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ep.errors import EPError, GenerationError, OpError
+from ep.errors import EPError, OpError
 from ep.ops import kv as kv_ref
 from ep.ops import matmul as matmul_ref
 from ep.ops import mlp as mlp_ref
@@ -56,7 +56,6 @@ from ep.ops import sample as sample_ref
 from ep.ops.placement import ACTIVE
 from ep.ops.runtime import KV_CACHES, KVLayerBuffers, resolve_weight
 from ep.ops.schema import OpDef
-from ep.sampling import SamplingParams
 from ep.seams import KVStrides
 
 if TYPE_CHECKING:
@@ -476,12 +475,9 @@ def _sample(
     min_p: float,
 ) -> np.ndarray:
     # The reference's checks and messages first.
-    try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    except GenerationError as exc:
-        raise OpError(f"Sample: {exc}") from None
-    if int(rng_keys.min(initial=0)) < 0 or int(steps.min(initial=0)) < 0:
-        raise OpError("Sample: rng_keys and steps must be >= 0")
+    params = sample_ref.checked_params(
+        rng_keys, steps, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
     batch, vocab = (int(n) for n in logits.shape)
     if batch == 0:
         return sample_ref.sample(

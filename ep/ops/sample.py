@@ -21,7 +21,7 @@ from ep.ops.schema import ArgInfo, AttrSpec, OpDef, OpSchema, TensorSpec
 from ep.sampling import SamplingParams
 from ep.sampling import sample as sample_tokens
 
-__all__ = ["SAMPLE", "rng_at", "sample"]
+__all__ = ["SAMPLE", "checked_params", "rng_at", "sample"]
 
 
 def rng_at(key: Sequence[int], step: int) -> np.random.Generator:
@@ -30,6 +30,25 @@ def rng_at(key: Sequence[int], step: int) -> np.random.Generator:
     if step:
         rng.bit_generator.advance(int(step))  # type: ignore[attr-defined]  # PCG64 has it
     return rng
+
+
+def checked_params(
+    rng_keys: np.ndarray,
+    steps: np.ndarray,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    min_p: float,
+) -> SamplingParams:
+    """The op's sampling values as `SamplingParams`, or `OpError` (every Sample kernel's checks)."""
+    try:
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    except GenerationError as exc:
+        raise OpError(f"Sample: {exc}") from None
+    if int(rng_keys.min(initial=0)) < 0 or int(steps.min(initial=0)) < 0:
+        raise OpError("Sample: rng_keys and steps must be >= 0")
+    return params
 
 
 def sample(
@@ -43,12 +62,9 @@ def sample(
     min_p: float,
 ) -> np.ndarray:
     """int64 [B] token ids from logits [B, V]; see the module docstring for the generators."""
-    try:
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-    except GenerationError as exc:
-        raise OpError(f"Sample: {exc}") from None
-    if int(rng_keys.min(initial=0)) < 0 or int(steps.min(initial=0)) < 0:
-        raise OpError("Sample: rng_keys and steps must be >= 0")
+    params = checked_params(
+        rng_keys, steps, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
     rngs = None
     if not params.greedy:
         rngs = [rng_at(key, step) for key, step in zip(rng_keys, steps, strict=True)]
