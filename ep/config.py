@@ -48,6 +48,7 @@ NON_CONFIG_ENV = frozenset(
         "GENAI_EP_KERNEL_CACHE",
         "GENAI_EP_PDL",  # the CUDA device: 0 launches without programmatic dependent launch
         "GENAI_EP_FUSE",  # native plans: 0 binds each node alone (no fused QKV commit), A/B runs
+        "GENAI_EP_EARLY",  # native plans: 0 loads no GEMV weights before the PDL wait (A/B runs)
         "GENAI_EP_GEMV",  # v1 forces the first-generation GEMV kernels (A/B runs)
         "GENAI_EP_ATTENTION",  # v1 forces the earlier decode attention kernel (A/B runs)
     }

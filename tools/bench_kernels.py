@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -282,17 +283,22 @@ def _launch(
     K: int,
     N: int,
     ws: mm.MatmulWorkspace,
+    resident: bool = True,
 ) -> mm.MatmulPlan:
     s = dev.default_stream
     if fmt in ("bf16-nk", "bf16-kn"):
-        tb = int(fmt == "bf16-nk")
-        return mm.gemm(dev, out, x, w["w"], M=M, N=N, K=K, transpose_b=tb, stream=s, workspace=ws)
+        return mm.gemm(
+            dev, out, x, w["w"], M=M, N=N, K=K, transpose_b=int(fmt == "bf16-nk"), stream=s,
+            workspace=ws, resident=resident,
+        )  # fmt: skip
     if fmt == "q4":
         return mm.gemm_nbits(
             dev, out, x, w["b"], w["scales"], w["zp"], M=M, N=N, K=K, block_size=32, stream=s,
-            workspace=ws,
+            workspace=ws, resident=resident,
         )  # fmt: skip
-    return mm.gemm_mxfp4(dev, out, x, w["b"], w["scales"], M=M, N=N, K=K, stream=s, workspace=ws)
+    return mm.gemm_mxfp4(
+        dev, out, x, w["b"], w["scales"], M=M, N=N, K=K, stream=s, workspace=ws, resident=resident
+    )
 
 
 def bench_gemv(
@@ -307,8 +313,11 @@ def bench_gemv(
     rng: np.random.Generator,
     ws: mm.MatmulWorkspace,
     label: str = "",
+    resident: bool = True,
 ) -> list[Row]:
-    """Time ``fmt`` at every M of ``rows``; ``label`` names its rows (default: the format)."""
+    """Time ``fmt`` at every M of ``rows``; ``label`` names its rows (default: the format).
+    ``resident``: the weights are passed as resident (loaded before each GEMV's PDL wait, as the
+    native executor runs them)."""
     label = label or fmt
     s = dev.default_stream
     host = _weights(fmt, rng, K, N)
@@ -349,7 +358,7 @@ def bench_gemv(
             x: Buffer = x, out: Buffer = out, M: int = M, plans: list[mm.MatmulPlan] = plan_box
         ) -> int:
             for i in range(launches):
-                plans.append(_launch(fmt, dev, out, x, pool[i % copies], M, K, N, ws))
+                plans.append(_launch(fmt, dev, out, x, pool[i % copies], M, K, N, ws, resident))
             return launches
 
         def prepare(x: Buffer = x, out: Buffer = out, M: int = M) -> None:
@@ -678,7 +687,16 @@ def main(argv: list[str] | None = None) -> int:
         "v2-any: the dense v2 past its rule too); default: the environment's GENAI_EP_GEMV (v2 "
         "when unset)",
     )
+    parser.add_argument(
+        "--early",
+        default="on",
+        help="on,off: time the GEMVs with resident weights loaded before the PDL wait (on, as the "
+        "native executor runs them) and/or after it (off; rows labelled /late); default on",
+    )
     args = parser.parse_args(argv)
+    early = [e.strip() for e in args.early.split(",") if e.strip()]
+    if not early or any(e not in ("on", "off") for e in early):
+        parser.error(f"--early {args.early!r}: expected on, off or on,off")
     gemv = [g.strip() for g in args.gemv.split(",") if g.strip()]
     bad = [g for g in gemv if g not in GEMV_CHOICES]
     if bad:
@@ -730,13 +748,16 @@ def main(argv: list[str] | None = None) -> int:
     results: list[Row] = []
     for fmt in formats:
         for K, N in shapes:
-            for choice in gemv if fmt in _GEMV_FORMATS and gemv else [""]:
-                label = f"{fmt}/{choice}" if choice else fmt
+            for choice, e in itertools.product(
+                gemv if fmt in _GEMV_FORMATS and gemv else [""], early
+            ):
+                label = (f"{fmt}/{choice}" if choice else fmt) + ("/late" if e == "off" else "")
                 try:
                     with _gemv_env(choice):
                         results += bench_gemv(
-                            dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws, label
-                        )
+                            dev, fmt, K, N, rows_m, copy_bps, pool, args.reps, rng, ws, label,
+                            resident=e == "on",
+                        )  # fmt: skip
                 except Exception as exc:
                     traceback.print_exc()
                     results.append(Row("gemv", label, K, N, 0, 0, None, 0.0, 0.0, "", repr(exc)))

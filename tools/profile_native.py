@@ -16,7 +16,8 @@ capture policy, then
 
 A/B of the fused QKV commit (one call from the QKV projection's bias to the KV commit, op type
 ``QKVRotaryCommit``): ``GENAI_EP_FUSE=0 python3 tools/profile_native.py --out DIR_OFF`` binds
-each node on its own; the JSON records which (``fuse``).
+each node on its own; the JSON records which (``fuse``). A/B of the GEMVs' early weight loads
+(resident weights loaded before each GEMV's PDL wait): ``GENAI_EP_EARLY=0`` (``early``).
 """
 
 from __future__ import annotations
@@ -147,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ep.model import load_model
     from ep.native import NativeBackend
-    from ep.native.plan import fuse_enabled
+    from ep.native.plan import early_enabled, fuse_enabled
     from ep_builtin.capture_warmup import WarmupCapture
     from ep_builtin.kv_seq_major import SeqMajorLayout
 
@@ -156,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(folder)
     results = []
     fuse = fuse_enabled()
-    print(f"fused QKV commit: {'on' if fuse else 'off (GENAI_EP_FUSE=0)'}")
+    early = "on" if early_enabled() else "off (GENAI_EP_EARLY=0)"
+    print(f"fused QKV commit: {'on' if fuse else 'off (GENAI_EP_FUSE=0)'}; resident GEMV "
+          f"weights loaded before the PDL wait: {early}")  # fmt: skip
     for batch in (int(b) for b in s.batch.split(",")):
         backend = NativeBackend(
             model,
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(s.out)
         out.mkdir(parents=True, exist_ok=True)
         payload = {"tool": "profile_native", "machine": machine_info(), "spec": s.spec,
-                   "fuse": fuse, "results": results}  # fmt: skip
+                   "fuse": fuse, "early": early_enabled(), "results": results}  # fmt: skip
         (out / "profile_native.json").write_text(json.dumps(payload, indent=1))
     return 0
 

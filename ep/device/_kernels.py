@@ -154,6 +154,12 @@ class KernelSource:
     CPU device runs: it receives each pointer as a flat NumPy array of the declared dtype (the
     whole buffer) and each scalar as a NumPy scalar, and must compute what the whole launch
     computes, whatever the grid.
+
+    ``pdl_wait`` says where the kernel waits for the previous kernel of its stream (programmatic
+    dependent launch, `compiled_source`): ``"entry"``, as its first statement; ``"kernel"``,
+    where its source calls ``EP_PDL_WAIT()`` (every thread, before it reads anything an earlier
+    kernel wrote and before its first global write), so it can load data no kernel writes
+    (resident weights) while the previous kernel still runs.
     """
 
     name: str
@@ -162,6 +168,7 @@ class KernelSource:
     entry: str = ""  # defaults to ``name``
     options: CompileOptions = field(default_factory=CompileOptions)
     cpu: Callable[..., None] | None = field(default=None, compare=False)
+    pdl_wait: Literal["entry", "kernel"] = "entry"
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", self.name):
@@ -173,6 +180,17 @@ class KernelSource:
         object.__setattr__(self, "params", tuple(self.params))
         for param in self.params:
             param_dtype(param)
+        if self.pdl_wait not in ("entry", "kernel"):
+            raise KernelRegistryError(
+                f"kernel {self.name!r}: pdl_wait={self.pdl_wait!r}; expected 'entry' (the wait is "
+                "the kernel's first statement) or 'kernel' (its source calls EP_PDL_WAIT())"
+            )
+        if self.pdl_wait == "kernel" and "EP_PDL_WAIT()" not in self.source:
+            raise KernelRegistryError(
+                f"kernel {self.name!r}: pdl_wait='kernel' but its source never calls "
+                "EP_PDL_WAIT(); call it before the kernel reads what an earlier kernel wrote, or "
+                "use pdl_wait='entry'"
+            )
         pattern = rf"__global__\b[^;{{]*\b{re.escape(self.entry)}\s*\("
         if not re.search(pattern, self.source):
             raise KernelRegistryError(
@@ -187,12 +205,13 @@ class KernelSource:
 
     def same_kernel(self, other: KernelSource) -> bool:
         """Whether two sources compile and launch identically (the CPU twin may be re-created)."""
-        return (self.name, self.source, self.params, self.entry, self.options) == (
+        return (self.name, self.source, self.params, self.entry, self.options, self.pdl_wait) == (
             other.name,
             other.source,
             other.params,
             other.entry,
             other.options,
+            other.pdl_wait,
         )
 
 
@@ -449,12 +468,18 @@ def cubin_symbols(cubin: bytes) -> frozenset[str]:
 
 # Programmatic dependent launch (sm_90 and later): every kernel starts by letting the next
 # kernel in its stream launch (``launch_dependents``: the next one's blocks are scheduled while
-# this one runs, hiding the launch latency) and by waiting for the previous kernel to finish and
-# flush its memory (``wait``). With the wait first in every kernel, each still sees all earlier
-# results, exactly as without PDL; the CUDA device launches with the matching attribute.
+# this one runs, hiding the launch latency), and waits for the previous kernel to finish and flush
+# its memory (``wait``) before it touches anything an earlier kernel wrote: as its first statement
+# (`PDL_PROLOGUE`), or where its source calls ``EP_PDL_WAIT()`` (``KernelSource.pdl_wait ==
+# "kernel"``: the GEMVs issue their resident weights' loads first). Either way each kernel sees
+# all earlier results, exactly as without PDL; the CUDA device launches with the matching
+# attribute.
+PDL_TRIGGER = 'asm volatile("griddepcontrol.launch_dependents;" ::: "memory");'
 PDL_PROLOGUE = (
     'asm volatile("griddepcontrol.launch_dependents;\\n\\tgriddepcontrol.wait;" ::: "memory");'
 )
+PDL_WAIT_MACRO = '#define EP_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")\n'
+NO_PDL_WAIT_MACRO = "#define EP_PDL_WAIT() ((void)0)\n"  # before sm_90: kernels are serialized
 
 
 def pdl_arch(arch: str) -> bool:
@@ -462,8 +487,8 @@ def pdl_arch(arch: str) -> bool:
     return int(check_arch(arch)[3:].rstrip("af")) >= 90
 
 
-def with_pdl_prologue(text: str, entry: str) -> str:
-    """``text`` with `PDL_PROLOGUE` as the first statement of the ``__global__`` ``entry``."""
+def with_pdl_prologue(text: str, entry: str, prologue: str = PDL_PROLOGUE) -> str:
+    """``text`` with ``prologue`` as the first statement of the ``__global__`` ``entry``."""
     found = re.search(rf"__global__\b[^;{{]*\b{re.escape(entry)}\s*\(", text)
     if found is None:
         raise KernelCompileError(f"kernel {entry!r}: no __global__ function {entry}( in its source")
@@ -474,12 +499,17 @@ def with_pdl_prologue(text: str, entry: str) -> str:
     brace = text.find("{", at)
     if depth or brace < 0 or text[at:brace].strip():
         raise KernelCompileError(f"kernel {entry!r}: its body does not follow its parameters")
-    return f"{text[: brace + 1]}\n    {PDL_PROLOGUE}{text[brace + 1 :]}"
+    return f"{text[: brace + 1]}\n    {prologue}{text[brace + 1 :]}"
 
 
 def compiled_source(source: KernelSource, arch: str) -> str:
-    """The text NVRTC compiles for ``arch``: the source, with the PDL prologue from sm_90 on."""
-    return with_pdl_prologue(source.source, source.entry) if pdl_arch(arch) else source.source
+    """The text NVRTC compiles for ``arch``: an ``EP_PDL_WAIT()`` definition (a no-op before
+    sm_90), then the source with, from sm_90 on, the PDL prologue (only its trigger when the
+    kernel places its own wait: ``pdl_wait == "kernel"``)."""
+    if not pdl_arch(arch):
+        return NO_PDL_WAIT_MACRO + source.source
+    prologue = PDL_TRIGGER if source.pdl_wait == "kernel" else PDL_PROLOGUE
+    return PDL_WAIT_MACRO + with_pdl_prologue(source.source, source.entry, prologue)
 
 
 def _nvrtc_compile(source: KernelSource, arch: str) -> bytes:

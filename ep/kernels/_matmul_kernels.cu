@@ -24,6 +24,7 @@ typedef unsigned char u8;
 #define EPK_X16 2u  // activation rows allow 16-byte loads
 #define EPK_ZP 4u   // q4: packed zero points are given (else every zero point is 8)
 #define EPK_W8 8u   // q4/mx4 GEMM: weight base aligned to 8 bytes
+#define EPK_EARLY 16u  // GEMV: the weights are resident (no kernel writes them): load them early
 
 namespace epk {
 
@@ -51,6 +52,24 @@ __device__ __forceinline__ uint2 ld_stream8(const void* p) {
 __device__ __forceinline__ uint4 ld_cached(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
+
+// Programmatic dependent launch (ep/device/_kernels.py): the split-K GEMVs are compiled with
+// pdl_wait = "kernel" and wait for the previous kernel of their stream themselves. With
+// EPK_EARLY (resident weights, which nothing in the stream writes) each thread issues its first
+// round of weight loads, then waits, so those loads overlap the previous kernel; else it waits
+// first. Either way every thread waits once before it reads x or writes anything.
+struct PdlWait {
+  bool pending;
+  __device__ __forceinline__ explicit PdlWait(u32 flags) : pending((flags & EPK_EARLY) != 0u) {
+    if (!pending) EP_PDL_WAIT();
+  }
+  __device__ __forceinline__ void operator()() {
+    if (pending) {
+      EP_PDL_WAIT();
+      pending = false;
+    }
+  }
+};
 
 // --- element types ---------------------------------------------------------------------------
 
@@ -498,6 +517,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
   const bool xv = (flags & EPK_X16) != 0;
   const int steps = wp.steps();
   typedef typename P::Raw Raw;
+  PdlWait ready(flags);
   if constexpr (sizeof(T) == 4) {
     float acc[16];
 #pragma unroll
@@ -509,6 +529,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
         const int i = i0 + u * slices;
         raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
       }
+      ready();
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
@@ -563,6 +584,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
         const int i = i0 + u * slices;
         raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
       }
+      ready();
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
@@ -594,6 +616,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
     red[warp][g + 8][2 * t] = c[0][2];
     red[warp][g + 8][2 * t + 1] = c[0][3];
   }
+  ready();  // a warp with no K step still waits before the block writes
   gemv_finish<T, 8>(red, y, ws, counters, M, N, kw, gy);
 }
 
@@ -608,7 +631,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
 template <typename T, class P, int U, bool TWO>
 __device__ __forceinline__ void wt_steps(const P& wp, const T* __restrict__ x, int M, int K,
                                          int n_lo, bool lo_ok, bool hi_ok, int slice, int slices,
-                                         bool xv, float (&c)[2][2][4]) {
+                                         bool xv, PdlWait& ready, float (&c)[2][2][4]) {
   typedef typename P::Raw Raw;
   constexpr int kStepK = 32 * P::kUnits;  // k one step covers (4 lanes x kUnits x 8)
   const int lane = threadIdx.x & 31;
@@ -625,6 +648,7 @@ __device__ __forceinline__ void wt_steps(const P& wp, const T* __restrict__ x, i
       lo[u] = (lo_ok && i < steps) ? wp.load(n_lo, i, t) : P::none();
       hi[u] = (hi_ok && i < steps) ? wp.load(n_lo + 8, i, t) : P::none();
     }
+    ready();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * slices;
@@ -678,11 +702,15 @@ __device__ __forceinline__ void row_gemv_wt(const P& wp, T* __restrict__ y,
   for (int h = 0; h < 2; ++h)
 #pragma unroll
     for (int q = 0; q < 2; ++q) c[h][q][0] = c[h][q][1] = c[h][q][2] = c[h][q][3] = 0.0f;
+  PdlWait ready(flags);
   if (M > 8) {  // warp-uniform: a branch-free loop for each case
-    wt_steps<T, P, U, true>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, c);
+    wt_steps<T, P, U, true>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, ready,
+                            c);
   } else {
-    wt_steps<T, P, U, false>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, c);
+    wt_steps<T, P, U, false>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, ready,
+                             c);
   }
+  ready();  // a warp with no K step still waits before the block writes
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int m = 2 * t + 8 * h;

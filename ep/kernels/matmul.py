@@ -13,8 +13,8 @@ kernel                    what and launch geometry
                           one 16-byte load each per step of 32 k, 4 steps in flight. fp16/bf16:
                           the weights are the B operand of ``mma.sync m16n8k16`` (x rows padded
                           to 16 as A); fp32: SIMT FMAs and two shuffles.
-``ep_gemv_nk_v2_<dt>``    decode, dense W [N, K], fp16/bf16, the default for the large layer
-                          weights at M = 1 (see below): a tile is 8 weight rows (the MMA's B
+``ep_gemv_nk_v2_<dt>``    decode, dense W [N, K], fp16/bf16, planned only with a size rule set
+                          (see below): a tile is 8 weight rows (the MMA's B
                           operand, as in ``nk``), a block of kw = min(16, ceil(K/256)) warps works
                           on one tile, splitting its K steps between them and adding their
                           partial sums through shared memory (no split over blocks, no
@@ -83,6 +83,15 @@ earlier kernels: other rounding of the sums, same weights):
   K <= 6144 and whole N <= 16384, within the device's shared memory. Its K split (kw warps, R
   rounds of 8 steps) depends on K only, so a row's result does not depend on M, N or the grid.
 
+Resident weights (``resident=True``): the split-K GEMVs (``ep_gemv_{nk,q4,mx4}_<dt>``) place
+their own programmatic-dependent-launch wait (`ep.device.KernelSource.pdl_wait`). When the caller
+says no kernel writes the weights while the call may run (a resident weight: the native plan
+passes it for weights it binds once), each thread issues its first round of weight loads before
+it waits for the previous kernel of the stream, so those bytes arrive while that kernel still
+runs; x, the workspace and the output are touched only after the wait. The arithmetic is the
+same either way. A streamed or paged weight (copied in by the offload store during the step)
+must not pass it.
+
 Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
 rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
 (measured on the H200: about 0.6 of ``nk``'s bandwidth on the vocabulary projection). Both are
@@ -139,7 +148,7 @@ _DTYPES: dict[np.dtype, tuple[str, str]] = {
     np.dtype(np.float16): ("f16", "__half"),
     _BF16: ("bf16", "__nv_bfloat16"),
 }
-_FLAG_W16, _FLAG_X16, _FLAG_ZP, _FLAG_W8 = 1, 2, 4, 8
+_FLAG_W16, _FLAG_X16, _FLAG_ZP, _FLAG_W8, _FLAG_EARLY = 1, 2, 4, 8, 16
 _GEMV_THREADS = 256  # 8 warps; the .cu kernels assume it (launch bounds, shared arrays)
 _DEFAULT_SMS = 132  # H200; used when the device does not say
 _WARPS_PER_SM = (
@@ -449,6 +458,8 @@ def _register() -> dict[str, KernelSource]:
                         params=tuple(p.replace("T*", f"{suffix}*") for p in params),
                         options=options,
                         cpu=_twin(fmt, kind == "gemv"),
+                        # the split-K GEMVs place their own wait (EPK_EARLY: weights first)
+                        pdl_wait="kernel" if kind == "gemv" and fmt != "kn" else "entry",
                     )
                 )
             if fp32 or fmt == "kn":
@@ -951,12 +962,15 @@ def gemm(
     stream: Stream,
     workspace: MatmulWorkspace | None = None,
     split_n: int | None = None,
+    resident: bool = False,
 ) -> MatmulPlan:
     """``out[M, N] = x[M, K] @ W``: W is [K, N] (``transpose_b=0``) or [N, K] (``transpose_b=1``).
 
     The same contract as `ep.ops.matmul.matmul_weight`. x, w and out share a float dtype.
     ``split_n``: W is an output-column piece of a weight of ``split_n`` columns (`plan_matmul`).
-    Returns the plan it ran.
+    ``resident``: no kernel writes W while this call may run (a resident weight), so the split-K
+    GEMV loads it before it waits for the previous kernel (module docstring). Returns the plan it
+    ran.
     """
     op = "gemm"
     _sizes(op, M=M, N=N, K=K)
@@ -970,6 +984,7 @@ def gemm(
     fmt: Format = "nk" if transpose_b else "kn"
     row = (K if transpose_b else N) * dtype.itemsize
     flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
+    flags |= _FLAG_EARLY if resident else 0
     plan = plan_matmul(
         fmt,
         dtype,
@@ -1001,12 +1016,14 @@ def gemm_nbits(
     bits: int = 4,
     workspace: MatmulWorkspace | None = None,
     split_n: int | None = None,
+    resident: bool = False,
 ) -> MatmulPlan:
     """``out = x @ dequantize(B)^T`` for MatMulNBits weights (`ep.ops.matmul.matmul_nbits`).
 
     b: uint8 [N, ceil(K/block_size), block_size/2]; scales: x's dtype [N * k_blocks];
     zero_points: uint8 [N, ceil(k_blocks/2)] packed two per byte, or None for zero point 8.
     ``split_n``: the three are rows of a weight of ``split_n`` rows (`plan_matmul`).
+    ``resident``: as in `gemm`, for b, scales and zero points.
     """
     op = "gemm_nbits"
     _sizes(op, M=M, N=N, K=K, block_size=block_size)
@@ -1024,7 +1041,7 @@ def gemm_nbits(
     _buffer(op, dev, "b", b, N * row_bytes, u8)
     _buffer(op, dev, "scales", scales, N * k_blocks, dtype)
     inputs = {"x": x, "b": b, "scales": scales}
-    flags = _x16(x, K)
+    flags = _x16(x, K) | (_FLAG_EARLY if resident else 0)
     if zero_points is not None:
         _buffer(op, dev, "zero_points", zero_points, N * ((k_blocks + 1) // 2), u8)
         inputs["zero_points"] = zero_points
@@ -1068,6 +1085,7 @@ def gemm_mxfp4(
     stream: Stream,
     workspace: MatmulWorkspace | None = None,
     split_n: int | None = None,
+    resident: bool = False,
 ) -> MatmulPlan:
     """``out = x @ dequantize_mxfp4(b, scales)^T`` (`ep.ops.matmul.matmul_mxfp4`).
 
@@ -1075,6 +1093,7 @@ def gemm_mxfp4(
     K must be a multiple of 32. For fp16 activations the dequantized weights are fp16, so a
     block whose scale puts them outside fp16's range overflows (as any fp16 product would).
     ``split_n``: b and scales are rows of a weight of ``split_n`` rows (`plan_matmul`).
+    ``resident``: as in `gemm`, for b and scales.
     """
     op = "gemm_mxfp4"
     _sizes(op, M=M, N=N, K=K)
@@ -1088,6 +1107,7 @@ def gemm_mxfp4(
     _disjoint(op, out, {"x": x, "b": b, "scales": scales})
     _check_workspace(op, dev, workspace)
     flags = _x16(x, K) | (_FLAG_W16 if b.ptr % 16 == 0 else 0) | (_FLAG_W8 if b.ptr % 8 == 0 else 0)
+    flags |= _FLAG_EARLY if resident else 0
     plan = plan_matmul(
         "mx4",
         dtype,

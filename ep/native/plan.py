@@ -59,8 +59,8 @@ from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["FUSE_ENV", "KVBinding", "StepPlan", "WeightRead", "fuse_enabled", "split_specs",
-           "weight_reads"]  # fmt: skip
+__all__ = ["EARLY_ENV", "FUSE_ENV", "KVBinding", "StepPlan", "WeightRead", "early_enabled",
+           "fuse_enabled", "split_specs", "weight_reads"]  # fmt: skip
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
 _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no weight read
@@ -68,16 +68,25 @@ _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no wei
 _KERNEL_INPUTS = {"KVCommit": 3, "KVCommitPaged": 3, "KVAttention": 3, "KVAttentionPaged": 3}
 _COMMITS = ("KVCommit", "KVCommitPaged")
 FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), for A/B runs
+EARLY_ENV = "GENAI_EP_EARLY"  # 0: GEMVs never load resident weights before their PDL wait (A/B)
+
+
+def _switch(name: str, off: str, on: str, environ: Mapping[str, str] | None) -> bool:
+    value = (os.environ if environ is None else environ).get(name, "").strip()
+    if value not in ("", "0", "1"):
+        raise ConfigError(f"{name}={value!r}; expected 0 ({off}) or 1 ({on}, the default)")
+    return value != "0"
 
 
 def fuse_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether plans fuse a layer's bias/rotary/commit chain (`FUSE_ENV`: unset or 1 yes, 0 no)."""
-    value = (os.environ if environ is None else environ).get(FUSE_ENV, "").strip()
-    if value not in ("", "0", "1"):
-        raise ConfigError(
-            f"{FUSE_ENV}={value!r}; expected 0 (bind each node on its own) or 1 (fuse, the default)"
-        )
-    return value != "0"
+    return _switch(FUSE_ENV, "bind each node on its own", "fuse", environ)
+
+
+def early_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether plans tell GEMVs that weights bound once are resident (`EARLY_ENV`: unset or 1
+    yes, 0 no), so they load them before waiting for the previous kernel."""
+    return _switch(EARLY_ENV, "weights after the wait", "resident weights first", environ)
 
 
 @dataclass(frozen=True)
@@ -377,6 +386,7 @@ class StepPlan:
         # the fused QKV commits (``fuse`` None: as `FUSE_ENV` says); the arena depends on them
         self.fuse = fuse_enabled() if fuse is None else fuse
         self.fusions = self._qkv_fusions() if self.fuse else []
+        self.early = early_enabled()  # resident weights loaded before a GEMV's PDL wait
         self._assign(tag)
         out = self.values[program.output]
         self.logits = device.alloc(out.shape, out.dtype, stream=stream, name=f"logits:{tag}")
@@ -1025,23 +1035,27 @@ class StepPlan:
                 buf(ins[2]), rows=x.size // x.shape[-1], hidden=x.shape[-1],
                 epsilon=float(a["epsilon"]), stream=st,
             )  # fmt: skip
+        # A weight bound once is resident: no kernel writes it, so the GEMV may load it before
+        # it waits for the previous kernel (`ep.kernels.matmul`, "Resident weights").
         if op == "MatMul":
             x = self._contiguous(node, ins[0])
             k = x.shape[-1]
+            w = self._weight(str(a["weight"]))
             return functools.partial(
-                matmul.gemm, dev, buf(outs[0]), buf(ins[0]),
-                self._weight(str(a["weight"])), M=x.size // k, N=int(a["N"]),
+                matmul.gemm, dev, buf(outs[0]), buf(ins[0]), w, M=x.size // k, N=int(a["N"]),
                 K=k, transpose_b=int(a["transpose_b"]), stream=st,
-                workspace=self.matmul_workspace,
+                workspace=self.matmul_workspace, resident=self.early and isinstance(w, Buffer),
             )  # fmt: skip
         if op in ("MatMulNBits", "MatMulNBitsZP"):
             x = self._contiguous(node, ins[0])
             zp = buf(ins[3]) if op == "MatMulNBitsZP" else None
+            ws = [buf(ins[1]), buf(ins[2]), *([zp] if zp is not None else [])]
             return functools.partial(
-                matmul.gemm_nbits, dev, buf(outs[0]), buf(ins[0]), buf(ins[1]), buf(ins[2]), zp,
+                matmul.gemm_nbits, dev, buf(outs[0]), buf(ins[0]), ws[0], ws[1], zp,
                 M=x.size // int(a["K"]), N=int(a["N"]), K=int(a["K"]),
                 block_size=int(a["block_size"]), bits=int(a["bits"]), stream=st,
                 workspace=self.matmul_workspace,
+                resident=self.early and all(isinstance(w, Buffer) for w in ws),
             )  # fmt: skip
         if op == "Add":
             x = self._contiguous(node, ins[0])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -250,7 +251,14 @@ def test_cuda_headers_compile_bf16_and_fp16(tmp_path) -> None:
 
 
 def test_sm90_kernels_open_with_the_pdl_prologue() -> None:
-    from ep.device._kernels import PDL_PROLOGUE, compiled_source, pdl_arch, with_pdl_prologue
+    from ep.device._kernels import (
+        NO_PDL_WAIT_MACRO,
+        PDL_PROLOGUE,
+        PDL_WAIT_MACRO,
+        compiled_source,
+        pdl_arch,
+        with_pdl_prologue,
+    )
 
     assert [pdl_arch(a) for a in ("sm_80", "sm_89", "sm_90", "sm_90a", "sm_100f")] == [
         False, False, True, True, True,
@@ -259,7 +267,9 @@ def test_sm90_kernels_open_with_the_pdl_prologue() -> None:
     text = compiled_source(SCALE, "sm_90")
     body = text.split("{", 1)[1]
     assert body.lstrip().startswith(PDL_PROLOGUE)  # the first statement: nothing runs before it
-    assert compiled_source(SCALE, "sm_80") == SCALE.source  # no PDL before compute 9.0
+    assert text.startswith(PDL_WAIT_MACRO)
+    # no PDL before compute 9.0: the source as written, EP_PDL_WAIT() a no-op
+    assert compiled_source(SCALE, "sm_80") == NO_PDL_WAIT_MACRO + SCALE.source
     assert KernelCache.key(SCALE, "sm_90") != KernelCache.key(SCALE, "sm_80")
     bounded = (
         'extern "C" __global__ void __launch_bounds__(256, 2) k(int* a, int (*f)[2]) {\n'
@@ -270,3 +280,50 @@ def test_sm90_kernels_open_with_the_pdl_prologue() -> None:
         with_pdl_prologue('extern "C" __global__ void k(int* a);', "k")
     # and it compiles: griddepcontrol is sm_90 PTX
     assert compile_kernel(SCALE, "sm_90", use_cache=False).cubin[:4] == b"\x7fELF"
+
+
+_EARLY = KernelSource(
+    name="early_scale",
+    source=(
+        'extern "C" __global__ void early_scale(float* y, const float* w, int n) {\n'
+        "  const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+        "  const float v = i < n ? w[i] : 0.0f;  // a weight no kernel writes: before the wait\n"
+        "  EP_PDL_WAIT();\n"
+        "  if (i < n) y[i] *= v;\n"
+        "}\n"
+    ),
+    params=("f32*", "f32*", "i32"),
+    pdl_wait="kernel",
+)
+
+
+def test_a_kernel_placing_its_own_pdl_wait_gets_only_the_trigger() -> None:
+    from ep.device._kernels import (
+        NO_PDL_WAIT_MACRO,
+        PDL_PROLOGUE,
+        PDL_TRIGGER,
+        PDL_WAIT_MACRO,
+        compiled_source,
+    )
+
+    text = compiled_source(_EARLY, "sm_90")
+    assert text.startswith(PDL_WAIT_MACRO)
+    body = text.split("{", 1)[1]
+    assert body.lstrip().startswith(PDL_TRIGGER) and PDL_PROLOGUE not in text
+    assert compiled_source(_EARLY, "sm_80") == NO_PDL_WAIT_MACRO + _EARLY.source
+    assert KernelCache.key(_EARLY, "sm_90") != KernelCache.key(
+        dataclasses.replace(_EARLY, pdl_wait="entry"), "sm_90"
+    )
+    assert not _EARLY.same_kernel(dataclasses.replace(_EARLY, pdl_wait="entry"))
+    for arch in ("sm_90", "sm_80"):  # the macro compiles both ways
+        assert compile_kernel(_EARLY, arch, use_cache=False).cubin[:4] == b"\x7fELF"
+
+
+def test_pdl_wait_must_be_known_and_a_kernel_wait_must_be_called() -> None:
+    with pytest.raises(KernelRegistryError, match="never calls EP_PDL_WAIT"):
+        KernelSource(
+            name="k", source='extern "C" __global__ void k(int* a) { a[0] = 1; }', params=("i32*",),
+            pdl_wait="kernel",
+        )  # fmt: skip
+    with pytest.raises(KernelRegistryError, match="expected 'entry'"):
+        dataclasses.replace(_EARLY, pdl_wait="late")  # type: ignore[arg-type]
