@@ -77,11 +77,13 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
     assert len(names) == len(calls), (len(names), len(calls))
     by_type: dict[str, list[Any]] = defaultdict(list)
     commit: tuple[str, Any] | None = None
+    paired: set[str] = set()  # commit + attention groups: two calls a counted call
     for name, call in zip(names, calls, strict=True):
         op = name.split(":")[0]
         if op in COMMITS:
             commit = (op, call)
         if op in ATTENTIONS and commit is not None:
+            paired.add(f"{commit[0]}+{op}")
             by_type[f"{commit[0]}+{op}"] += [commit[1], call]
         by_type[op].append(call)
     for op in ATTENTIONS:
@@ -99,7 +101,7 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
         stream.record(end)
         end.sync()
         total = end.elapsed_ms(start) / s.reps * 1e3
-        n = len(group) // 2 if "+" in op else len(group)
+        n = len(group) // 2 if op in paired else len(group)
         ops[op] = {"calls": n, "total_us": total, "per_call_us": total / n}
         graph.close()
         backend._check_faults()
