@@ -90,40 +90,6 @@ static __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// RMSNorm's sum of squares as thread j of a block of `threads` computes it over one row of
-// 16-byte units (j, j + threads, ...): with a skip, the sums x + skip rounded to X first, and
-// stored to `sum_out` when it is given. `rms_inverse` turns the block's total into 1/rms. The
-// norm kernel and the GEMVs that fuse the norm (ep/kernels/matmul.py) share both, so they round
-// alike.
-template <typename X>
-static __device__ __forceinline__ float rms_partial(const X* x, const X* skip, X* sum_out,
-                                                   int units, int j, int threads, bool has_skip) {
-    constexpr int N = Pack<X>::N;
-    float ss = 0.0f;
-    for (int i = j; i < units; i += threads) {
-        float a[N];
-        load16(x + (i64)i * N, a);
-        if (has_skip) {
-            float b[N];
-            load16(skip + (i64)i * N, b);
-#pragma unroll
-            for (int k = 0; k < N; ++k) a[k] = to_f32(from_f32<X>(a[k] + b[k]));
-            if (sum_out != nullptr) store16(sum_out + (i64)i * N, a);
-        }
-#pragma unroll
-        for (int k = 0; k < N; ++k) ss += a[k] * a[k];
-    }
-    return ss;
-}
-static __device__ __forceinline__ float rms_inverse(float ss, int hidden, float eps) {
-    return 1.0f / sqrtf(ss / (float)hidden + eps);
-}
-
-// SwiGLU's element: silu(g) * u (the SwiGLU kernel and the GEMV that fuses it).
-static __device__ __forceinline__ float silu_mul(float g, float u) {
-    return g / (1.0f + expf(-g)) * u;
-}
-
 // Sum over the block, returned to every thread. blockDim.x must be a multiple of 32 and every
 // thread must call it; ``scratch`` holds 32 floats of shared memory.
 static __device__ float block_sum(float v, float* scratch) {

@@ -492,109 +492,6 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
   if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
 
-// --- activations of the row GEMVs: x as stored, or made on the fly from the op before ------
-//
-// `chunk(m, k0)` gives 16 bytes of row m of the GEMV's activations from k0 (a multiple of the
-// elements in 16 bytes; chunks at or past K are zeros); `prologue(M)` runs once per block after
-// the PDL wait and before the first chunk, with every thread of the block. The fused sources
-// compute exactly what the op's own kernel stores (the same device functions of the PRELUDE:
-// `rms_partial`, `silu_mul`, the same roundings), so a fused GEMV is bitwise the op's kernel
-// followed by the plain GEMV.
-
-template <typename T>
-struct PlainX {  // x [M, K]
-  const T* x;
-  int K;
-  bool vec;
-  __device__ __forceinline__ void prologue(int) const {}
-  __device__ __forceinline__ uint4 chunk(int m, int k0) const {
-    return load_chunk<T>(x + (size_t)m * (size_t)K, k0, K, vec, false);
-  }
-};
-
-template <typename T>
-__device__ __forceinline__ uint4 pack16(const float (&v)[Pack<T>::N]) {
-  uint4 r;
-  store16(reinterpret_cast<T*>(&r), v);
-  return r;
-}
-
-// RMSNorm / SkipRMSNorm of x [M, K] (K = hidden, a multiple of the elements in 16 bytes, every
-// array 16-byte aligned): the block first reduces each row's sum of squares exactly as the norm
-// kernel's block of `threads` threads does (thread j's 16-byte units j, j + threads, ..., a warp
-// sum per 32 of them, then a warp sum over those), block (0, 0) also storing the rounded sums
-// x + skip; then chunk() scales x (or the rounded sum) by the row's 1/rms and gamma.
-template <typename T>
-struct NormX {
-  const T* x;
-  const T* skip;
-  const T* gamma;
-  T* sum_out;
-  int K, threads;
-  float eps;
-  bool has_skip;
-  float* part;  // shared [16][32]
-  float* inv;   // shared [16]
-  __device__ void prologue(int M) const {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    const int units = K / Pack<T>::N, vw = threads >> 5;
-    const bool writer = has_skip && blockIdx.x == 0 && blockIdx.y == 0;
-    for (int p = warp; p < M * vw; p += warps) {
-      const int m = p / vw, w = p - m * vw;
-      const size_t base = (size_t)m * (size_t)K;
-      float ss = rms_partial<T>(x + base, skip + base, writer ? sum_out + base : nullptr, units,
-                                (w << 5) + lane, threads, has_skip);
-      ss = warp_sum(ss);
-      if (lane == 0) part[(m << 5) + w] = ss;
-    }
-    __syncthreads();
-    for (int m = warp; m < M; m += warps) {
-      float v = lane < vw ? part[(m << 5) + lane] : 0.0f;
-      v = warp_sum(v);
-      if (lane == 0) inv[m] = rms_inverse(v, K, eps);
-    }
-    __syncthreads();
-  }
-  __device__ __forceinline__ uint4 chunk(int m, int k0) const {
-    if (k0 >= K) return zero4();
-    constexpr int kN = Pack<T>::N;
-    const size_t at = (size_t)m * (size_t)K + (size_t)k0;
-    float a[kN], g[kN];
-    load16(x + at, a);
-    if (has_skip) {
-      float b[kN];
-      load16(skip + at, b);
-#pragma unroll
-      for (int e = 0; e < kN; ++e) a[e] = to_f32(from_f32<T>(a[e] + b[e]));
-    }
-    load16(gamma + k0, g);
-    const float r = inv[m];
-#pragma unroll
-    for (int e = 0; e < kN; ++e) a[e] = a[e] * r * g[e];
-    return pack16<T>(a);
-  }
-};
-
-// SwiGLU of a packed [gate | up] input gu [M, 2K] (K = inter, a multiple of the elements in 16
-// bytes, gu 16-byte aligned): x[m][k] = silu(gate) * up, rounded to T as the SwiGLU kernel does.
-template <typename T>
-struct SwiGLUX {
-  const T* gu;
-  int K;
-  __device__ __forceinline__ void prologue(int) const {}
-  __device__ __forceinline__ uint4 chunk(int m, int k0) const {
-    if (k0 >= K) return zero4();
-    constexpr int kN = Pack<T>::N;
-    const T* row = gu + (size_t)m * (size_t)(2 * K);
-    float g[kN], u[kN];
-    load16(row + k0, g);
-    load16(row + K + k0, u);
-#pragma unroll
-    for (int e = 0; e < kN; ++e) g[e] = silu_mul(g[e], u[e]);
-    return pack16<T>(g);
-  }
-};
-
 // --- GEMV over weight rows (dense nk on fp16/bf16; nk, q4, mx4 on fp32) ----------------------
 //
 // Lane l: g = l / 4 is the row within the warp's group of 8 rows, t = l % 4 the chunk within a
@@ -603,13 +500,12 @@ struct SwiGLUX {
 // (second)); x rows g and g + 8 at the same 8 k are the A fragment, so the k order inside an MMA
 // is a permutation that A and B share, and each lane loads its weights as one 16-byte vector.
 // fp32 path: each lane multiplies its 8 weights with the 8 x of every row m, then the 4 lanes of
-// a row are added with two shuffles. The first round of weight loads is issued before the PDL
-// wait and the activations' prologue; x comes from `xs` (PlainX, NormX, SwiGLUX).
+// a row are added with two shuffles.
 
-template <typename T, class P, int U, class X>
-__device__ __forceinline__ void row_gemv(const P& wp, const X& xs, T* __restrict__ y, float* ws,
-                                         u32* counters, int M, int N, int K, int kw, int gy,
-                                         u32 flags) {
+template <typename T, class P, int U>
+__device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T* __restrict__ x,
+                                         float* ws, u32* counters, int M, int N, int K, int kw,
+                                         int gy, u32 flags) {
   __shared__ float red[8][16][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -618,26 +514,22 @@ __device__ __forceinline__ void row_gemv(const P& wp, const X& xs, T* __restrict
   const int slices = gy * kw;
   const int n = group * 8 + g;
   const bool row_ok = n < N;
+  const bool xv = (flags & EPK_X16) != 0;
   const int steps = wp.steps();
   typedef typename P::Raw Raw;
-  Raw raw[U];
-  auto load_round = [&](int i0) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = i0 + u * slices;
-      raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
-    }
-  };
   PdlWait ready(flags);
-  load_round(slice);
-  ready();
-  xs.prologue(M);
   if constexpr (sizeof(T) == 4) {
     float acc[16];
 #pragma unroll
     for (int m = 0; m < 16; ++m) acc[m] = 0.0f;
     for (int i0 = slice; i0 < steps; i0 += U * slices) {
-      if (i0 != slice) load_round(i0);
+      Raw raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
+      }
+      ready();
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
@@ -650,8 +542,9 @@ __device__ __forceinline__ void row_gemv(const P& wp, const X& xs, T* __restrict
 #pragma unroll
           for (int m = 0; m < 16; ++m) {
             if (m < M) {
-              const uint4 a = xs.chunk(m, kk);
-              const uint4 b = xs.chunk(m, kk + 4);
+              const float* xr = reinterpret_cast<const float*>(x) + (size_t)m * K;
+              const uint4 a = load_chunk<float>(xr, kk, K, xv, false);
+              const uint4 b = load_chunk<float>(xr, kk + 4, K, xv, false);
               float s = acc[m];
               s = fmaf(__uint_as_float(a.x), wv[0], s);
               s = fmaf(__uint_as_float(a.y), wv[1], s);
@@ -680,10 +573,18 @@ __device__ __forceinline__ void row_gemv(const P& wp, const X& xs, T* __restrict
     float c[P::kUnits][4];
 #pragma unroll
     for (int v = 0; v < P::kUnits; ++v) c[v][0] = c[v][1] = c[v][2] = c[v][3] = 0.0f;
+    const T* xa = x + (size_t)g * K;
+    const T* xb = x + (size_t)(g + 8) * K;
     const bool a_ok = g < M, b_ok = g + 8 < M;
     const bool two = M > 8;  // the same for every lane: rows 8..15 are all padding otherwise
     for (int i0 = slice; i0 < steps; i0 += U * slices) {
-      if (i0 != slice) load_round(i0);
+      Raw raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * slices;
+        raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
+      }
+      ready();
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
@@ -692,9 +593,9 @@ __device__ __forceinline__ void row_gemv(const P& wp, const X& xs, T* __restrict
 #pragma unroll
         for (int v = 0; v < P::kUnits; ++v) {
           const int kk = wp.unit_k(i, t, v);
-          a[v] = a_ok ? xs.chunk(g, kk) : zero4();
+          a[v] = a_ok ? load_chunk<T>(xa, kk, K, xv, false) : zero4();
           b[v] = zero4();
-          if (two && b_ok) b[v] = xs.chunk(g + 8, kk);
+          if (two && b_ok) b[v] = load_chunk<T>(xb, kk, K, xv, false);
         }
 #pragma unroll
         for (int v = 0; v < P::kUnits; ++v) {
@@ -715,6 +616,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, const X& xs, T* __restrict
     red[warp][g + 8][2 * t] = c[0][2];
     red[warp][g + 8][2 * t + 1] = c[0][3];
   }
+  ready();  // a warp with no K step still waits before the block writes
   gemv_finish<T, 8>(red, y, ws, counters, M, N, kw, gy);
 }
 

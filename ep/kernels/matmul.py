@@ -113,9 +113,6 @@ import numpy as np
 
 from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream, register_kernel
 from ep.errors import KernelArgumentError
-from ep.kernels._common import PRELUDE, threads_for
-from ep.ops import mlp as mlp_ref
-from ep.ops import norm as norm_ref
 from ep.ops.matmul import (
     MXFP4_BLOCK,
     dequantize_mxfp4,
@@ -131,12 +128,9 @@ __all__ = [
     "MATMUL_KERNELS",
     "MatmulPlan",
     "MatmulWorkspace",
-    "fused_gemv_ok",
     "gemm",
     "gemm_mxfp4",
     "gemm_nbits",
-    "gemv_norm",
-    "gemv_swiglu",
     "gemv_version",
     "matmul_workspace",
     "plan_matmul",
@@ -202,8 +196,7 @@ _V2_DENSE_MIN_ELEMENTS: int | None = None
 
 
 def _cuda_source() -> str:
-    # the PRELUDE's element helpers, norm and SwiGLU functions serve the fused GEMVs
-    return PRELUDE + resources.files("ep.kernels").joinpath("_matmul_kernels.cu").read_text()
+    return resources.files("ep.kernels").joinpath("_matmul_kernels.cu").read_text()
 
 
 _GEMV_ROWS = {
@@ -239,53 +232,12 @@ def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool) -> str:
         )
     weights, policy, ptype = _GEMV_ROWS[fmt]
     # 4-bit and MXFP4 on tensor cores: the dequantized weights are the MMA's A operand.
-    if fp32 or fmt == "nk":
-        call = (
-            f"epk::row_gemv<T, {ptype}, {unroll}>(p, epk::PlainX<T>{{x, K, (flags & EPK_X16) != "
-            "0}, y, ws, counters, M, N, K, kw, gy, flags);"
-        )
-    else:
-        call = (
-            f"epk::row_gemv_wt<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, "
-            "flags);"
-        )
+    body = "row_gemv" if fp32 or fmt == "nk" else "row_gemv_wt"
     return (
         f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
-        f"u32 flags) {{\n  {policy}\n  {call}\n}}\n"
-    )
-
-
-# The dense [N, K] GEMV with its activations made by the op before it (`gemv_norm`,
-# `gemv_swiglu`): the parameters of ``ep_gemv_nk`` with the op's inputs in place of x.
-_FUSED_PARAMS: dict[str, tuple[str, ...]] = {
-    "norm": (*["T*"] * 6, "void*", "void*", *["i32"] * 5, "u32", "f32", "i32", "i32"),
-    "swiglu": ("T*", "T*", "T*", "void*", "void*", *["i32"] * 5, "u32"),
-}
-
-
-def _fused_entry(kind: str, name: str, unroll: int) -> str:
-    head = f'extern "C" __global__ void __launch_bounds__({_GEMV_THREADS}, 1) {name}('
-    tail = "int M, int N, int K, int kw, int gy, u32 flags"
-    rows = "const epk::DenseRows<T> p{w, K, (flags & EPK_W16) != 0};"
-    if kind == "norm":
-        params = (
-            f"T* y, T* sum_out, const T* x, const T* skip, const T* gamma, const T* w, float* ws, "
-            f"u32* counters, {tail}, float eps, int has_skip, int norm_threads"
-        )
-        make = (
-            "__shared__ float part[16 * 32];\n  __shared__ float inv[16];\n"
-            "  const epk::NormX<T> xs{x, skip, gamma, sum_out, K, norm_threads, eps, "
-            "has_skip != 0, part, inv};"
-        )
-        source = "epk::NormX<T>"
-    else:
-        params = f"T* y, const T* gu, const T* w, float* ws, u32* counters, {tail}"
-        make = "const epk::SwiGLUX<T> xs{gu, K};"
-        source = "epk::SwiGLUX<T>"
-    return (
-        f"{head}{params}) {{\n  {rows}\n  {make}\n"
-        f"  epk::row_gemv<T, epk::DenseRows<T>, {unroll}, {source}>(p, xs, y, ws, counters, M, N, "
-        "K, kw, gy, flags);\n}\n"
+        f"u32 flags) {{\n  {policy}\n"
+        f"  epk::{body}<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, flags);"
+        "\n}\n"
     )
 
 
@@ -477,38 +429,6 @@ def _twin_mx4(gemv: bool) -> Callable[..., None]:
     return twin
 
 
-def _twin_norm(
-    y: np.ndarray,
-    sum_out: np.ndarray,
-    x: np.ndarray,
-    skip: np.ndarray,
-    gamma: np.ndarray,
-    w: np.ndarray,
-    *rest: np.generic,
-) -> None:
-    """`gemv_norm`: the norm kernel's twin, then the dense GEMV's."""
-    M, N, K = (int(v) for v in rest[2:5])
-    eps, has_skip = float(rest[8]), bool(rest[9])
-    shape = (M, K)
-    if has_skip:
-        normed, total = norm_ref.skip_rms_norm(
-            x[: M * K].reshape(shape), skip[: M * K].reshape(shape), gamma[:K], epsilon=eps
-        )
-        sum_out[: M * K] = total.reshape(-1)
-    else:
-        normed = norm_ref.rms_norm(x[: M * K].reshape(shape), gamma[:K], epsilon=eps)
-    wt = w[: N * K].reshape(N, K)
-    y[: M * N] = _product(normed, wt.T, True).reshape(-1)
-
-
-def _twin_swiglu(y: np.ndarray, gu: np.ndarray, w: np.ndarray, *rest: np.generic) -> None:
-    """`gemv_swiglu`: the packed SwiGLU's twin, then the dense GEMV's."""
-    M, N, K = (int(v) for v in rest[2:5])
-    packed = gu[: M * 2 * K].reshape(M, 2 * K)
-    act = mlp_ref.swiglu(packed[:, :K], packed[:, K:])
-    y[: M * N] = _product(act, w[: N * K].reshape(N, K).T, True).reshape(-1)
-
-
 def _twin(fmt: str, gemv: bool) -> Callable[..., None]:
     if fmt in ("nk", "kn"):
         return _twin_dense(fmt == "nk", gemv)
@@ -542,22 +462,6 @@ def _register() -> dict[str, KernelSource]:
                         pdl_wait="kernel" if kind == "gemv" and fmt != "kn" else "entry",
                     )
                 )
-            if fmt == "nk":
-                for fused in ("norm", "swiglu"):
-                    name = f"ep_gemv_nk_{fused}_{suffix}"
-                    out[name] = register_kernel(
-                        KernelSource(
-                            name=name,
-                            source=f"{body}\ntypedef {ctype} T;\n"
-                            f"{_fused_entry(fused, name, _UNROLL[(fmt, fp32)])}",
-                            params=tuple(
-                                p.replace("T*", f"{suffix}*") for p in _FUSED_PARAMS[fused]
-                            ),
-                            options=options,
-                            cpu=_twin_norm if fused == "norm" else _twin_swiglu,
-                            pdl_wait="kernel",
-                        )
-                    )
             if fp32 or fmt == "kn":
                 continue
             # dense [N, K]: v2; q4/mx4: streaming and v2
@@ -1217,173 +1121,3 @@ def gemm_mxfp4(
         max_shared=int(dev.limits["max_shared_mem"]),
     )
     return _launch(dev, plan, [out, x, b, scales, M, N, K, flags], workspace, out, stream)
-
-
-# --- GEMVs fused with the op that makes their activations ---------------------------------------
-
-
-def fused_gemv_ok(dtype: np.dtype, *, M: int, K: int, activations: tuple[Buffer, ...]) -> bool:
-    """Whether `gemv_norm` / `gemv_swiglu` run these sizes: a GEMV (M <= `GEMV_MAX_ROWS`), K a
-    multiple of the elements in 16 bytes and every activation buffer 16-byte aligned (the vector
-    paths of the norm and SwiGLU kernels, whose arithmetic the fused GEMVs repeat)."""
-    per16 = 16 // np.dtype(dtype).itemsize
-    return (
-        np.dtype(dtype) in _DTYPES
-        and 0 < M <= GEMV_MAX_ROWS
-        and K % per16 == 0
-        and all(b.ptr % 16 == 0 for b in activations)
-    )
-
-
-def fused_gemv_plan(
-    dev: Device,
-    dtype: np.dtype,
-    *,
-    M: int,
-    N: int,
-    K: int,
-    workspace: MatmulWorkspace | None,
-) -> MatmulPlan | None:
-    """The plan of the dense [N, K] GEMV a fused GEMV repeats (its kernel, grid and K split),
-    or None when that GEMV has no fused form (M > `GEMV_MAX_ROWS`, or not ``ep_gemv_nk``)."""
-    found = _DTYPES.get(np.dtype(dtype))
-    if found is None or not 0 < M <= GEMV_MAX_ROWS:
-        return None
-    plan = plan_matmul(
-        "nk", dtype, M=M, N=N, K=K, workspace=workspace, sm_count=_sm_count(dev),
-        max_shared=int(dev.limits["max_shared_mem"]),
-    )  # fmt: skip
-    return plan if plan.kernel == f"ep_gemv_nk_{found[0]}" else None
-
-
-def _fused_launch(
-    op: str,
-    kind: str,
-    dev: Device,
-    out: Buffer,
-    w: Buffer,
-    activations: dict[str, Buffer],
-    head: list[object],
-    tail: list[object],
-    *,
-    M: int,
-    N: int,
-    K: int,
-    stream: Stream,
-    workspace: MatmulWorkspace | None,
-    resident: bool,
-) -> MatmulPlan:
-    """Checks shared by the fused GEMVs, then ``ep_gemv_nk_<kind>_<dt>`` with the K split the
-    plain GEMV takes (`plan_matmul`), so each output is that GEMV's arithmetic."""
-    dtype = out.dtype
-    _buffer(op, dev, "w", w, N * K, dtype)
-    _buffer(op, dev, "out", out, M * N, dtype)
-    _disjoint(op, out, {**activations, "w": w})
-    _check_workspace(op, dev, workspace)
-    _need(
-        fused_gemv_ok(dtype, M=M, K=K, activations=tuple(activations.values())),
-        op,
-        f"M={M}, K={K}: the fused GEMV needs M <= {GEMV_MAX_ROWS}, K a multiple of "
-        f"{16 // dtype.itemsize} and 16-byte aligned activations; run the op and gemm apart",
-    )
-    flags = _FLAG_W16 if w.ptr % 16 == 0 and (K * dtype.itemsize) % 16 == 0 else 0
-    flags |= _FLAG_EARLY if resident else 0
-    plan = fused_gemv_plan(dev, dtype, M=M, N=N, K=K, workspace=workspace)
-    _need(
-        plan is not None,
-        op,
-        f"M={M}, N={N}, K={K}: the plain GEMV of these sizes has no fused form; run the op and "
-        "gemm apart",
-    )
-    assert plan is not None
-    suffix = _DTYPES[dtype][0]
-    ws: Buffer = workspace.partials if workspace is not None else out  # unused when gy == 1
-    cnt: Buffer = workspace.counters if workspace is not None else out
-    kernel = dev.kernel(f"ep_gemv_nk_{kind}_{suffix}")
-    args = [out, *head, w, ws, cnt, M, N, K, plan.kw, plan.gy, flags, *tail]
-    kernel.launch(plan.grid, plan.block, *args, stream=stream)
-    return replace(plan, kernel=kernel.name)
-
-
-def gemv_norm(
-    dev: Device,
-    out: Buffer,
-    x: Buffer,
-    gamma: Buffer,
-    w: Buffer,
-    *,
-    M: int,
-    N: int,
-    K: int,
-    epsilon: float,
-    stream: Stream,
-    skip: Buffer | None = None,
-    sum_out: Buffer | None = None,
-    workspace: MatmulWorkspace | None = None,
-    resident: bool = False,
-) -> MatmulPlan:
-    """``out = rms_norm(x [+ skip]) @ W^T`` for dense W [N, K] (K = hidden), one launch.
-
-    Bitwise `ep.kernels.norm.rms_norm` (or `skip_rms_norm`, which also stores the rounded
-    ``x + skip`` to ``sum_out``) followed by `gemm` with ``transpose_b=1``: every block reduces
-    the rows' sums of squares as the norm kernel does, and scales its activations as it loads
-    them; the normalized rows never reach memory. Sizes `fused_gemv_ok` accepts only.
-    ``resident`` as in `gemm`.
-    """
-    op = "gemv_norm"
-    _sizes(op, M=M, N=N, K=K)
-    _need(epsilon >= 0, op, f"epsilon={epsilon} must be >= 0")
-    dtype = _activation_dtype(op, x)
-    _need(
-        (skip is None) == (sum_out is None),
-        op,
-        "skip and sum_out come together (SkipRMSNorm) or not at all (RMSNorm)",
-    )
-    _buffer(op, dev, "x", x, M * K, dtype)
-    _buffer(op, dev, "gamma", gamma, K, dtype)
-    inputs = {"x": x, "gamma": gamma}
-    if skip is not None and sum_out is not None:
-        _buffer(op, dev, "skip", skip, M * K, dtype)
-        _buffer(op, dev, "sum_out", sum_out, M * K, dtype)
-        _disjoint(op, sum_out, {**inputs, "skip": skip, "w": w, "out": out})
-        inputs.update(skip=skip, sum_out=sum_out)
-    norm_threads = threads_for(K // (16 // dtype.itemsize))  # the norm kernel's block
-    head: list[object] = [
-        sum_out if sum_out is not None else x,
-        x,
-        skip if skip is not None else x,
-        gamma,
-    ]
-    tail: list[object] = [float(epsilon), int(skip is not None), norm_threads]
-    return _fused_launch(
-        op, "norm", dev, out, w, inputs, head, tail, M=M, N=N, K=K, stream=stream,
-        workspace=workspace, resident=resident,
-    )  # fmt: skip
-
-
-def gemv_swiglu(
-    dev: Device,
-    out: Buffer,
-    gate_up: Buffer,
-    w: Buffer,
-    *,
-    M: int,
-    N: int,
-    K: int,
-    stream: Stream,
-    workspace: MatmulWorkspace | None = None,
-    resident: bool = False,
-) -> MatmulPlan:
-    """``out = swiglu(gate_up) @ W^T`` for a packed [M, 2K] ``[gate | up]`` input and dense W
-    [N, K] (K = intermediate), one launch: bitwise `ep.kernels.mlp.swiglu_packed`
-    (``interleaved=0``) followed by `gemm` with ``transpose_b=1``, the activations made as they
-    are loaded. Sizes `fused_gemv_ok` accepts only. ``resident`` as in `gemm`.
-    """
-    op = "gemv_swiglu"
-    _sizes(op, M=M, N=N, K=K)
-    dtype = _activation_dtype(op, gate_up)
-    _buffer(op, dev, "gate_up", gate_up, M * 2 * K, dtype)
-    return _fused_launch(
-        op, "swiglu", dev, out, w, {"gate_up": gate_up}, [gate_up], [], M=M, N=N, K=K,
-        stream=stream, workspace=workspace, resident=resident,
-    )  # fmt: skip

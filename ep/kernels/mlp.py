@@ -29,6 +29,10 @@ __all__ = ["swiglu", "swiglu_packed"]
 _THREADS = 256
 
 _BODY = r"""
+static __device__ __forceinline__ float silu_mul(float g, float u) {
+    return g / (1.0f + expf(-g)) * u;
+}
+
 extern "C" __global__ void __launch_bounds__(256) KERNEL(
     T* __restrict__ out, const T* gate, const T* up, i64 rows, i64 inter,
     i64 g_row, i64 g_col, i64 u_row, i64 u_col, int vec_ok) {

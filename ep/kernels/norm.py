@@ -42,7 +42,19 @@ extern "C" __global__ void __launch_bounds__(1024) KERNEL(
     constexpr int N = Pack<T>::N;
     float ss = 0.0f;
     if (vec_ok) {
-        ss = rms_partial<T>(xr, sr, tr, hidden / N, threadIdx.x, blockDim.x, has_skip);
+        for (int i = threadIdx.x; i < hidden / N; i += blockDim.x) {
+            float a[N];
+            load16(xr + (i64)i * N, a);
+            if (has_skip) {
+                float b[N];
+                load16(sr + (i64)i * N, b);
+#pragma unroll
+                for (int k = 0; k < N; ++k) a[k] = to_f32(from_f32<T>(a[k] + b[k]));
+                store16(tr + (i64)i * N, a);
+            }
+#pragma unroll
+            for (int k = 0; k < N; ++k) ss += a[k] * a[k];
+        }
     } else {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
             float a = to_f32(xr[i]);
@@ -55,7 +67,7 @@ extern "C" __global__ void __launch_bounds__(1024) KERNEL(
         }
     }
     ss = block_sum(ss, scratch);
-    const float inv = rms_inverse(ss, hidden, eps);
+    const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
     // The values to scale: the rounded sum this very thread just wrote, or x.
     const T* src = has_skip ? (const T*)tr : xr;
     if (vec_ok) {

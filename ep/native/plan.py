@@ -333,26 +333,6 @@ class _QKVFusion:
 
 
 @dataclass(frozen=True)
-class _GemvFusion:
-    """An RMSNorm, SkipRMSNorm or SwiGLUPacked whose activations feed nothing but the dense
-    [N, K] MatMul after it: one call (`ep.kernels.matmul.gemv_norm` / ``gemv_swiglu``); the
-    activations never reach memory (the SkipRMSNorm's sum still does)."""
-
-    op: Node
-    matmul: Node
-    first: int
-    last: int
-
-    @property
-    def nodes(self) -> tuple[Node, ...]:
-        return (self.op, self.matmul)
-
-
-_Fusion = _QKVFusion | _GemvFusion
-_GEMV_FUSED = ("RMSNorm", "SkipRMSNorm", "SwiGLUPacked")
-
-
-@dataclass(frozen=True)
 class KVBinding:
     """What the KV ops of one step are bound to."""
 
@@ -405,9 +385,7 @@ class StepPlan:
         self._infer()
         # the fused QKV commits (``fuse`` None: as `FUSE_ENV` says); the arena depends on them
         self.fuse = fuse_enabled() if fuse is None else fuse
-        self.fusions: list[_Fusion] = []
-        if self.fuse:
-            self.fusions = [*self._qkv_fusions(), *self._gemv_fusions()]
+        self.fusions = self._qkv_fusions() if self.fuse else []
         self.early = early_enabled()  # resident weights loaded before a GEMV's PDL wait
         self._assign(tag)
         out = self.values[program.output]
@@ -694,13 +672,9 @@ class StepPlan:
             if node.op in _VIEWS or node.name in joined or node.name in absorbed:
                 continue
             fusion = fused_at.get(node.name)
-            call: Callable[[], object]
-            if isinstance(fusion, _QKVFusion):
-                call = self._bind_fusion(fusion, kv)
+            if fusion is not None:
+                call: Callable[[], object] = self._bind_fusion(fusion, kv)
                 name = f"QKVRotaryCommit:{fusion.commit.name}"
-            elif isinstance(fusion, _GemvFusion):
-                call = self._bind_gemv_fusion(fusion)
-                name = f"{fusion.op.op}+MatMul:{fusion.matmul.name}"
             else:
                 call = self._bind_node(node, kv, pairs.get(node.name))
                 name = f"{node.op}:{node.name}"
@@ -832,11 +806,8 @@ class StepPlan:
             return None  # q, k or v is made inside the chain (by the chain itself)
         return _QKVFusion(add, q, k, commit, first, c)
 
-    def _unwritten(self, fusion: _Fusion) -> list[str]:
-        """The storage a fusion never writes: a fused GEMV's activations; the rotated k, and the
-        biased sum when fused."""
-        if isinstance(fusion, _GemvFusion):
-            return [self.values[fusion.op.outputs[0]].base]
+    def _unwritten(self, fusion: _QKVFusion) -> list[str]:
+        """The storage a fusion never writes: the rotated k, and the biased sum when fused."""
         names = [self.values[fusion.k.outputs[0]].base]
         if fusion.add is not None:
             names.append(self.values[fusion.add.outputs[0]].base)
@@ -908,112 +879,6 @@ class StepPlan:
             q_out_token_stride=values[q.outputs[0]].tok, k_token_stride=kx.tok,
             v_token_stride=vx.tok, block_table=kv.block_table, table_cols=kv.table_cols,
             status=self.status, stream=self.stream,
-        )  # fmt: skip
-
-    def _gemv_fusions(self) -> list[_GemvFusion]:
-        """Every norm or packed SwiGLU that runs inside the GEMV reading it (`_GemvFusion`).
-
-        The op's first output is read by one working node only, a dense MatMul with weights
-        [N, K] (``transpose_b=1``) not held in pieces, as its x, whole and contiguous; nothing
-        but views runs between them; the op's inputs and output are contiguous and 16-byte
-        aligned in the arena; the MatMul is a GEMV with a fused form (`matmul.fused_gemv_plan`);
-        a norm's weight is resident (bound once: its alignment is known) and SwiGLU is packed
-        [gate | up].
-        """
-        from ep.kernels import matmul
-
-        nodes, values = self.program.nodes, self.values
-        readers: dict[str, list[tuple[int, int]]] = {}
-        for i, node in enumerate(nodes):
-            if node.op not in _VIEWS:
-                for slot, name in enumerate(node.inputs):
-                    v = values.get(name)
-                    if v is not None:
-                        readers.setdefault(v.base, []).append((i, slot))
-        output = values[self.program.output].base
-        taken = {n.name for f in self.fusions for n in f.nodes}  # the QKV fusions' nodes
-        found: list[_GemvFusion] = []
-        for i, node in enumerate(nodes):
-            if node.op not in _GEMV_FUSED or node.name in taken:
-                continue
-            made = values[node.outputs[0]]
-            use = readers.get(made.base, [])
-            if made.base == output or len(use) != 1 or use[0][1] != 0:
-                continue
-            j = use[0][0]
-            mm = nodes[j]
-            if mm.op != "MatMul" or int(mm.attrs["transpose_b"]) != 1 or mm.name in taken:
-                continue
-            if any(nodes[n].op not in _VIEWS for n in range(i + 1, j)):
-                continue
-            weight = str(mm.attrs["weight"])
-            if self._split(weight) is not None:
-                continue
-            x = values[mm.inputs[0]]
-            K, N = x.shape[-1], int(mm.attrs["N"])
-            acts = [x, *(values[n] for n in node.inputs[: 1 if node.op != "SkipRMSNorm" else 2])]
-            if node.op == "SkipRMSNorm":
-                acts.append(values[node.outputs[1]])
-            item = x.dtype.itemsize
-            if (
-                not all(
-                    a.tok == a.per_token() and (a.offset * item) % 16 == 0 and a.dtype == x.dtype
-                    for a in acts
-                )
-                or x.base != made.base
-                or x.offset != 0
-            ):
-                continue
-            if node.op == "SwiGLUPacked":
-                if int(node.attrs["interleaved"]) != 0 or values[node.inputs[0]].shape[-1] != 2 * K:
-                    continue
-            else:
-                gamma = self._fixed(node.inputs[-1])
-                if gamma is None or gamma.ptr % 16 != 0:
-                    continue
-            M = x.size // K
-            if (
-                matmul.fused_gemv_plan(
-                    self.device, x.dtype, M=M, N=N, K=K, workspace=self.matmul_workspace
-                )
-                is None
-            ):
-                continue
-            found.append(_GemvFusion(node, mm, i, j))
-            taken.update((node.name, mm.name))
-        return found
-
-    def _fixed(self, name: str) -> Buffer | None:
-        """A weight's buffer when the source binds it once (no read is recorded), else None."""
-        fixed = getattr(self.weights, "fixed", None)
-        name = self.aliases.get(name, name)
-        found = fixed(name, stream=self.stream) if fixed is not None else None
-        return found if isinstance(found, Buffer) else None
-
-    def _bind_gemv_fusion(self, fusion: _GemvFusion) -> Callable[[], object]:
-        """``fusion`` as one `ep.kernels.matmul.gemv_norm` / ``gemv_swiglu`` call (it fetches
-        the norm's weight, then the MatMul's: the unfused order)."""
-        from ep.kernels import matmul
-
-        op, mm, buf = fusion.op, fusion.matmul, self.buffer
-        x = self.values[mm.inputs[0]]
-        K = x.shape[-1]
-        if op.op == "SwiGLUPacked":
-            w = self._weight(str(mm.attrs["weight"]))
-            return functools.partial(
-                matmul.gemv_swiglu, self.device, buf(mm.outputs[0]), buf(op.inputs[0]), w,
-                M=x.size // K, N=int(mm.attrs["N"]), K=K, stream=self.stream,
-                workspace=self.matmul_workspace, resident=self.early and isinstance(w, Buffer),
-            )  # fmt: skip
-        skip = op.op == "SkipRMSNorm"
-        gamma = buf(op.inputs[2 if skip else 1])
-        w = self._weight(str(mm.attrs["weight"]))
-        return functools.partial(
-            matmul.gemv_norm, self.device, buf(mm.outputs[0]), buf(op.inputs[0]), gamma, w,
-            M=x.size // K, N=int(mm.attrs["N"]), K=K, epsilon=float(op.attrs["epsilon"]),
-            skip=buf(op.inputs[1]) if skip else None, sum_out=buf(op.outputs[1]) if skip else None,
-            stream=self.stream, workspace=self.matmul_workspace,
-            resident=self.early and isinstance(w, Buffer),
         )  # fmt: skip
 
     def _split(self, name: str) -> SplitWeight | None:

@@ -1,7 +1,5 @@
-"""The native plan's fusions: where they apply they change no bit; where the graph does not
-allow them, nothing is fused.
-
-The QKV commit (bias Add, q/k rotation and KV commit in one call):
+"""The fused QKV commit in the native plan: where it applies, it changes no bit; where the graph
+does not allow it, nothing is fused.
 
 Each model runs twice on the CPU device, ``GENAI_EP_FUSE=0`` and default, and the logits of
 every step must be bitwise equal: the tiny genai model built in the ep flavour (RotaryTheta, no
@@ -11,12 +9,6 @@ in float32 and bfloat16 (whose ops read and write through BitCast carriers). Neg
 a second reader of the rotated k or of the biased sum, a working node inside the chain, q and k
 rotations that differ, and the rotated k as the graph's output each keep that layer unfused
 (and still right).
-
-The fused GEMVs (a norm or packed SwiGLU inside the dense [N, K] MatMul reading it): the
-Qwen2-style model with its weights prepacked [N, K] as the CUDA device loads them, fp32 and bf16,
-every decode plan fusing every norm and SwiGLU, bitwise; a prefill of more than 16 rows (the
-tiled GEMM) fuses none. Negative oracles: a second reader of a norm's output, an interleaved
-SwiGLU and [K, N] weights each keep that op unfused (and still right).
 """
 
 from __future__ import annotations
@@ -35,7 +27,7 @@ from ep.errors import ConfigError
 from ep.model import DecoderModel, load_model
 from ep.native import NativeBackend, as_ep_model
 from ep.native.plan import FUSE_ENV, StepPlan
-from ep.native.program import Node, Program, load_program
+from ep.native.program import Node, Program
 from ep.seams import KVLayout
 from ep_builtin.capture_warmup import WarmupCapture
 from ep_builtin.kv_head_major import HeadMajorLayout
@@ -130,13 +122,8 @@ def op_counts(plan: StepPlan) -> dict[str, int]:
     return counts
 
 
-def qkv_fusions(plan: StepPlan) -> list[Any]:
-    """The plan's QKV commit fusions (its fused GEMVs are `test_native_gemv_fusion`'s)."""
-    return [f for f in plan.fusions if hasattr(f, "commit")]
-
-
 def fused_layers(plan: StepPlan) -> list[int]:
-    return sorted(int(f.commit.attrs["layer"]) for f in qkv_fusions(plan))
+    return sorted(int(f.commit.attrs["layer"]) for f in plan.fusions)
 
 
 def assert_fused_everywhere(fused: Run, unfused: Run, layers: int, absorbed: int) -> None:
@@ -146,8 +133,7 @@ def assert_fused_everywhere(fused: Run, unfused: Run, layers: int, absorbed: int
     for on, off in zip(fused.plans, unfused.plans, strict=True):
         assert (on.batch, on.seq) == (off.batch, off.seq)
         assert op_counts(on).get(FUSED) == layers and FUSED not in op_counts(off)
-        gemvs = len(on.fusions) - len(qkv_fusions(on))  # a fused GEMV absorbs one call
-        assert len(on.call_names) == len(off.call_names) - absorbed * layers - gemvs
+        assert len(on.call_names) == len(off.call_names) - absorbed * layers
         for op in ("Add", "Rotary", "RotaryTheta", "KVCommit"):
             assert op not in op_counts(on)
 
@@ -186,7 +172,7 @@ def test_biased_projection_is_fused_bitwise(
     assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=2)
     for on, off in zip(fused.plans, unfused.plans, strict=True):
         # the biased sum and the rotated k are never written: no arena slots for them
-        for fusion in qkv_fusions(on):
+        for fusion in on.fusions:
             assert fusion.add is not None
             sums = {on.values[n].base for n in (fusion.add.outputs[0], fusion.k.outputs[0])}
             assert sums.isdisjoint(on.offsets) and sums <= set(off.offsets)
@@ -328,7 +314,7 @@ def test_biased_sum_read_elsewhere_keeps_its_add(qwen: Callable[[str], DecoderMo
     assert np.array_equal(fused.logits, unfused.logits)
     for plan in fused.plans:
         assert fused_layers(plan) == [0, 1]
-        adds = {f.commit.attrs["layer"]: f.add is not None for f in qkv_fusions(plan)}
+        adds = {f.commit.attrs["layer"]: f.add is not None for f in plan.fusions}
         assert adds == {0: False, 1: True}
         assert op_counts(plan)["Add"] == 1 and op_counts(plan)[FUSED] == 2
 
@@ -342,104 +328,3 @@ def test_rotated_k_as_the_graph_output_is_not_fused(
     k0 = _nodes(backend.program, "RotaryTheta")[1]
     backend.program = dataclasses.replace(backend.program, output=k0.outputs[0])
     assert fused_layers(backend._plan(1, 1)) == [1]
-
-
-# --- fused GEMVs --------------------------------------------------------------------------------
-
-GEMV_FUSED = ("RMSNorm+MatMul", "SkipRMSNorm+MatMul", "SwiGLUPacked+MatMul")
-
-
-def _prepacked(model: DecoderModel) -> Program:
-    """The model's graph with [N, K] MatMul weights, as the CUDA device loads it."""
-    return load_program(model.onnx_path, prepack=True)
-
-
-def gemv_counts(plan: StepPlan) -> dict[str, int]:
-    counts = op_counts(plan)
-    return {op: counts.get(op, 0) for op in GEMV_FUSED}
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_every_norm_and_swiglu_runs_inside_its_gemv_bitwise(
-    qwen: Callable[[str], DecoderModel], dtype: str
-) -> None:
-    model = qwen(dtype)
-    program = _prepacked(model)
-    layers = model.num_layers
-    unfused = run(model, "seq_major_fixed", PROMPTS[:3], fuse=False, program=program)
-    fused = run(model, "seq_major_fixed", PROMPTS[:3], fuse=True, program=program)
-    assert_fused_everywhere(fused, unfused, layers, absorbed=2)
-    decode = [p for p in fused.plans if p.batch * p.seq <= 16]
-    assert decode and len(decode) < len(fused.plans)  # the 3-row prefill is > 16 rows: a GEMM
-    for plan in fused.plans:
-        want = (1, 2 * layers, layers) if plan.batch * plan.seq <= 16 else (0, 0, 0)
-        assert tuple(gemv_counts(plan).values()) == want  # input norm, the rest, every MLP
-    for on in decode:
-        for fusion in on.fusions:  # the activations are never stored: no arena slot
-            if not hasattr(fusion, "commit"):
-                assert on.values[fusion.op.outputs[0]].base not in on.offsets
-
-
-def test_captured_fused_gemvs_replay_the_unfused_bits(qwen: Callable[[str], DecoderModel]) -> None:
-    model = qwen("bf16")
-    program = _prepacked(model)
-    unfused = run(model, "seq_major_fixed", PROMPTS[1:2], fuse=False, program=program)
-    fused = run(model, "seq_major_fixed", PROMPTS[1:2], fuse=True, program=program, capture=True)
-    assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=2)
-    assert all(sum(gemv_counts(p).values()) == 3 * model.num_layers + 1 for p in fused.plans)
-
-
-def test_file_layout_weights_are_not_fused(qwen: Callable[[str], DecoderModel]) -> None:
-    """[K, N] weights (the CPU device's own load) run the op and the GEMV apart."""
-    fused = run(qwen("fp32"), "head_major", PROMPTS[:1], fuse=True)
-    assert all(sum(gemv_counts(p).values()) == 0 for p in fused.plans)
-
-
-def _assert_gemv_fusions(model: DecoderModel, program: Program, want: dict[str, int]) -> None:
-    unfused = run(model, "seq_major", PROMPTS[1:2], fuse=False, program=program)
-    fused = run(model, "seq_major", PROMPTS[1:2], fuse=True, program=program)
-    assert np.array_equal(fused.logits, unfused.logits)
-    for plan in fused.plans:
-        assert gemv_counts(plan) == want
-
-
-def test_a_norm_read_twice_is_not_fused(qwen: Callable[[str], DecoderModel]) -> None:
-    model = qwen("fp32")
-    program = _prepacked(model)
-    norm0 = _nodes(program, "RMSNorm")[0]
-    rms = Node("RMSNorm", "extra/norm", (norm0.outputs[0], norm0.inputs[1]), ("extra/normed",),
-               dict(norm0.attrs))  # fmt: skip
-    changed = _insert_after(program, _nodes(program, "KVAttention")[0], rms)
-    # the first layer's input norm has a second reader; the extra norm itself feeds nothing
-    _assert_gemv_fusions(model, changed, {GEMV_FUSED[0]: 0, GEMV_FUSED[1]: 4, GEMV_FUSED[2]: 2})
-
-
-def test_an_interleaved_swiglu_is_not_fused(qwen: Callable[[str], DecoderModel]) -> None:
-    model = qwen("fp32")
-    program = _prepacked(model)
-    swiglu0 = _nodes(program, "SwiGLUPacked")[0]
-    nodes = [
-        Node(n.op, n.name, n.inputs, n.outputs, {**n.attrs, "interleaved": 1})
-        if n is swiglu0 else n
-        for n in program.nodes
-    ]  # fmt: skip
-    _assert_gemv_fusions(
-        model, _with(program, nodes), {GEMV_FUSED[0]: 1, GEMV_FUSED[1]: 4, GEMV_FUSED[2]: 1}
-    )
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_cuda_fused_gemvs_are_the_unfused_bits(
-    qwen: Callable[[str], DecoderModel], dtype: str
-) -> None:
-    """On the GPU (the CUDA device prepacks the weights itself): batched and captured, solo."""
-    ok, reason = cuda_available()
-    if not ok:
-        pytest.skip(reason)
-    model = qwen(dtype)
-    for prompts, capture in ((PROMPTS[:3], True), (PROMPTS[1:2], False)):
-        unfused = run(model, "seq_major_fixed", prompts, fuse=False, device="cuda")
-        fused = run(model, "seq_major_fixed", prompts, fuse=True, device="cuda", capture=capture)
-        assert_fused_everywhere(fused, unfused, model.num_layers, absorbed=2)
-        assert any(sum(gemv_counts(p).values()) == 3 * model.num_layers + 1 for p in fused.plans)
