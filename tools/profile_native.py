@@ -77,7 +77,7 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
     assert len(names) == len(calls), (len(names), len(calls))
     by_type: dict[str, list[Any]] = defaultdict(list)
     commit: tuple[str, Any] | None = None
-    paired: set[str] = set()  # commit + attention groups: two calls a counted call
+    paired: set[str] = set()  # the commit + attention groups: two calls per counted call
     for name, call in zip(names, calls, strict=True):
         op = name.split(":")[0]
         if op in COMMITS:

@@ -1,5 +1,5 @@
 """tools/profile_native.py runs on the CPU device and reports every op type of the step (a smoke
-run: times are not asserted), fused calls included."""
+run: times are not asserted)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,6 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-
-import ep.native.backend as backend_module
-from ep.native.program import load_program
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = "hidden=64,layers=2,heads=4,kv_heads=2,vocab=512,intermediate=96,context=64"
@@ -31,13 +28,9 @@ def tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return module
 
 
-def test_every_op_type_is_profiled_fused_gemvs_and_attention_pairs_counted_once(
-    tool: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_every_op_type_is_profiled_and_attention_pairs_counted_once(
+    tool: ModuleType, tmp_path: Path
 ) -> None:
-    # the CUDA device's [N, K] weights on the CPU device, so the norms and SwiGLU fuse as there
-    monkeypatch.setattr(
-        backend_module, "load_program", lambda path, prepack: load_program(path, prepack=True)
-    )
     argv = ["--device", "cpu", "--spec", SMALL, "--batch", "1", "--reps", "2", "--loop", "2"]
     assert (
         tool.main([*argv, "--context", "64", "--work", str(tmp_path), "--out", str(tmp_path)]) == 0
@@ -45,7 +38,7 @@ def test_every_op_type_is_profiled_fused_gemvs_and_attention_pairs_counted_once(
     result = json.loads((tmp_path / "profile_native.json").read_text())["results"][0]
     calls = {op: v["calls"] for op, v in result["ops"].items()}
     assert calls == {
-        "QKVRotaryCommit+KVAttention": 2, "QKVRotaryCommit": 2, "MatMul": 2,
-        "RMSNorm+MatMul": 1, "SkipRMSNorm+MatMul": 4, "SwiGLUPacked+MatMul": 2, "Gather": 1,
+        "QKVRotaryCommit+KVAttention": 2, "QKVRotaryCommit": 2, "MatMul": 9, "SkipRMSNorm": 4,
+        "SwiGLUPacked": 2, "Gather": 1, "RMSNorm": 1,
     }  # fmt: skip
     assert sum(calls.values()) - calls["QKVRotaryCommit+KVAttention"] + 2 == result["calls"]
