@@ -988,27 +988,43 @@ extern "C" __global__ void __launch_bounds__(256, 2) KERNEL(ATTENTION_PARAMS) {
 """
 )
 
-_REDUCE_BODY = r"""
+_EX2 = r"""
 #define NEG_INF (__int_as_float(0xff800000u))
 
-// 256 threads; head_dim <= 256. Splits are spread over the threads (each one's loads are
-// independent), then 256 / dim thread groups sum the features over interleaved splits.
-extern "C" __global__ void __launch_bounds__(256) KERNEL(
-    T* out, const float* __restrict__ ws, i64 rows, int dim, int splits) {
+static __device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+"""
+
+# The split merge of kv_attention_reduce and kv_decode_merge (after _EX2).
+_MERGE_SPLITS = r"""
+// One output row from the first ``count`` splits' partials (256 threads; dim <= 256): each split
+// left its unnormalised output o[i][dim] and (m, l), the max and sum of its softmax, in ml[i];
+// the row is sum(w_i o_i) / sum(w_i l_i) with w_i = exp(m_i - max m), or 2^(m_i - max m) when
+// BASE2 (kv_decode_tc's softmax runs in base 2). The splits are spread over the threads (each
+// one's loads are independent), then 256 / dim thread groups sum the features over interleaved
+// splits.
+template <typename T, bool BASE2>
+static __device__ void merge_splits(T* out, const float* __restrict__ o,
+                                    const float* __restrict__ ml, int count, int dim) {
     __shared__ float weight[1024];
     __shared__ float part[256];
     __shared__ float scratch[32];
-    const i64 row = blockIdx.x;
-    if (row >= rows) return;
-    const float* o = ws + row * splits * dim;
-    const float* ml = ws + rows * splits * dim + row * splits * 2;
     float big = NEG_INF;
-    for (int i = threadIdx.x; i < splits; i += blockDim.x) big = fmaxf(big, ml[2 * i]);
+    for (int i = threadIdx.x; i < count; i += blockDim.x) big = fmaxf(big, ml[2 * i]);
     big = block_max(big, scratch);
+    const float ref = big == NEG_INF ? 0.0f : big;
     float total = 0.0f;
-    for (int i = threadIdx.x; i < splits; i += blockDim.x) {
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
         const float m = ml[2 * i];
-        const float w = m == NEG_INF ? 0.0f : expf(m - big);
+        float w;
+        if constexpr (BASE2) {
+            w = ex2(m - ref);  // 0 for an empty split (m = -inf)
+        } else {
+            w = m == NEG_INF ? 0.0f : expf(m - big);
+        }
         weight[i] = w;
         total += w * ml[2 * i + 1];
     }
@@ -1018,17 +1034,32 @@ extern "C" __global__ void __launch_bounds__(256) KERNEL(
     if (g < groups) {
         float acc = 0.0f;
 #pragma unroll 4
-        for (int i = g; i < splits; i += groups) acc += weight[i] * o[(i64)i * dim + d];
+        for (int i = g; i < count; i += groups) acc += weight[i] * o[(i64)i * dim + d];
         part[threadIdx.x] = acc;
     }
     __syncthreads();
     if (threadIdx.x < dim) {
         float sum = 0.0f;
         for (int k = 0; k < groups; ++k) sum += part[k * dim + threadIdx.x];
-        out[row * dim + threadIdx.x] = from_f32<T>(total > 0.0f ? sum / total : 0.0f);
+        out[threadIdx.x] = from_f32<T>(total > 0.0f ? sum / total : 0.0f);
     }
 }
 """
+
+_REDUCE_BODY = (
+    _EX2
+    + _MERGE_SPLITS
+    + r"""
+// 256 threads; head_dim <= 256; every split of the row.
+extern "C" __global__ void __launch_bounds__(256) KERNEL(
+    T* out, const float* __restrict__ ws, i64 rows, int dim, int splits) {
+    const i64 row = blockIdx.x;
+    if (row >= rows) return;
+    merge_splits<T, false>(out + row * dim, ws + row * splits * dim,
+                           ws + rows * splits * dim + row * splits * 2, splits, dim);
+}
+"""
+)
 
 
 _DECODE_BODY = (
@@ -1218,9 +1249,9 @@ extern "C" __global__ void __launch_bounds__(128) KERNEL(ATTENTION_PARAMS) {
 
 # The decode cut both tensor-core kernels compute from a row's position (kv_decode_tc and the merge
 # of its partials must agree on it exactly).
-_DECODE_CUT = r"""
-#define NEG_INF (__int_as_float(0xff800000u))
-
+_DECODE_CUT = (
+    _EX2
+    + r"""
 // Tokens a decode query attends to: its position + 1, or 0 for padding and a faulted position.
 static __device__ __forceinline__ int decode_live(i64 pos, i64 committed, i64 capacity) {
     return (pos < 0 || pos >= capacity || pos >= committed) ? 0 : (int)pos + 1;
@@ -1235,13 +1266,8 @@ static __device__ __forceinline__ void decode_cut(int live, int splits, int min_
     share = (share + 15) & ~15;
     nlive = (live + share - 1) / share;
 }
-
-static __device__ __forceinline__ float ex2(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-    return y;
-}
 """
+)
 
 _DECODE_TC_BODY = (
     _DECODE_CUT
@@ -1682,6 +1708,7 @@ extern "C" __global__ void __launch_bounds__(TC_THREADS) KERNEL(
 
 _DECODE_MERGE_BODY = (
     _DECODE_CUT
+    + _MERGE_SPLITS
     + r"""
 // Merges kv_decode_tc's partials when more than ``merge_limit`` splits are live (fewer: it exits,
 // the decode kernel merged them itself). One block of 256 threads per output row; only the live
@@ -1690,9 +1717,6 @@ extern "C" __global__ void __launch_bounds__(256) KERNEL(
     T* out, const float* __restrict__ ws, const void* __restrict__ positions, int pos_i64,
     const i64* __restrict__ lengths, i64 batch, int heads, int dim, i64 capacity, int splits,
     int min_share, int merge_limit) {
-    __shared__ float weight[1024];
-    __shared__ float part[256];
-    __shared__ float scratch[32];
     const i64 rows = batch * heads;
     const i64 row = blockIdx.x;
     if (row >= rows) return;
@@ -1701,33 +1725,8 @@ extern "C" __global__ void __launch_bounds__(256) KERNEL(
     int share, nlive;
     decode_cut(live, splits, min_share, share, nlive);
     if (nlive <= merge_limit) return;
-    const float* o = ws + row * splits * dim;
-    const float* ml = ws + rows * splits * dim + row * splits * 2;
-    float big = NEG_INF;
-    for (int i = threadIdx.x; i < nlive; i += blockDim.x) big = fmaxf(big, ml[2 * i]);
-    big = block_max(big, scratch);
-    const float ref = big == NEG_INF ? 0.0f : big;
-    float total = 0.0f;
-    for (int i = threadIdx.x; i < nlive; i += blockDim.x) {
-        const float w = ex2(ml[2 * i] - ref);
-        weight[i] = w;
-        total += w * ml[2 * i + 1];
-    }
-    total = block_sum(total, scratch);  // its barriers also publish weight[]
-    const int groups = (int)blockDim.x / dim;
-    const int grp = threadIdx.x / dim, d = threadIdx.x - grp * dim;
-    if (grp < groups) {
-        float acc = 0.0f;
-#pragma unroll 4
-        for (int i = grp; i < nlive; i += groups) acc += weight[i] * o[(i64)i * dim + d];
-        part[threadIdx.x] = acc;
-    }
-    __syncthreads();
-    if (threadIdx.x < dim) {
-        float sum = 0.0f;
-        for (int k = 0; k < groups; ++k) sum += part[k * dim + threadIdx.x];
-        out[row * dim + threadIdx.x] = from_f32<T>(total > 0.0f ? sum / total : 0.0f);
-    }
+    merge_splits<T, true>(out + row * dim, ws + row * splits * dim,
+                          ws + rows * splits * dim + row * splits * 2, nlive, dim);
 }
 """
 )
