@@ -60,11 +60,13 @@ if want tests; then
         --junitxml="$out/pytest-cuda.xml" tests
     cuda_rc=$?
 fi
-if want profile; then  # batch 1 and 16, then batch 1 without the launch fusions (A/B)
+if want profile; then  # batch 1 and 16, then A/Bs: no launch fusions, no early weight loads
     TAIL=40 stage 90 profile python3 tools/profile_native.py --batch 1,16 --out "$out"
-    mkdir -p "$out/unfused"
+    mkdir -p "$out/unfused" "$out/late"
     GENAI_EP_FUSE=0 TAIL=12 stage 60 profile-unfused python3 tools/profile_native.py --batch 1 \
         --loop 0 --out "$out/unfused"
+    GENAI_EP_EARLY=0 TAIL=12 stage 60 profile-late python3 tools/profile_native.py --batch 1,16 \
+        --out "$out/late"
 fi
 if want kernels; then
     TAIL=14 stage 200 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch \
