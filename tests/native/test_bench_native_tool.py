@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL_QWEN = "hidden=64,layers=2,heads=4,kv_heads=2,vocab=512,dtype=bf16,type=qwen2,bias=1,tie=1"
 
 
 @pytest.fixture
-def tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # as when run as a script: tools/_bench.py
-    spec = importlib.util.spec_from_file_location(
-        "bench_native", ROOT / "tools" / "bench_native.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "bench_native", module)  # its dataclasses look it up
-    spec.loader.exec_module(module)
-    return module
+def tool(load_tool: Callable[[str], ModuleType]) -> ModuleType:
+    return load_tool("bench_native")
 
 
 def test_cpu_mode_times_every_mode_with_equal_tokens(

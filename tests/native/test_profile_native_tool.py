@@ -3,29 +3,19 @@ run: times are not asserted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 SMALL = "hidden=64,layers=2,heads=4,kv_heads=2,vocab=512,intermediate=96,context=64"
 
 
 @pytest.fixture
-def tool(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # as when run as a script: tools/_bench.py
-    spec = importlib.util.spec_from_file_location(
-        "profile_native", ROOT / "tools" / "profile_native.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "profile_native", module)
-    spec.loader.exec_module(module)
-    return module
+def tool(load_tool: Callable[[str], ModuleType]) -> ModuleType:
+    return load_tool("profile_native")
 
 
 def test_every_op_type_is_profiled_and_attention_pairs_counted_once(
