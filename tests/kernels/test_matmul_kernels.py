@@ -22,6 +22,7 @@ from ep.kernels.matmul import (
     GEMV_MAX_ROWS,
     MATMUL_KERNELS,
     Format,
+    MatmulPlan,
     gemm,
     gemm_mxfp4,
     gemm_nbits,
@@ -29,6 +30,7 @@ from ep.kernels.matmul import (
     plan_matmul,
 )
 from ep.ops import DictWeights, use_weights
+from ep.ops import norm as norm_ref
 from ep.ops.matmul import (
     dequantize_nbits,
     matmul_mxfp4,
@@ -152,6 +154,62 @@ def test_dense_matches_matmul_weight(
     assert plan.kind == ("gemv" if M <= GEMV_MAX_ROWS else "gemm")
     got = out.to_host(stream=device.default_stream)
     assert rel_error(got, _dense_ref(x, w, N, transpose_b)) < _tol(dtype)
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["eager", "captured"])
+@pytest.mark.parametrize("fmt", ["nk", "q4", "mx4"])
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=["f32", "bf16"])
+def test_resident_weights_load_early_yet_x_is_read_after_its_writer(
+    device: Device, rng: np.random.Generator, poison: Poison, upload: Upload,
+    rel_error: RelError, dtype: np.dtype, fmt: str, captured: bool,
+) -> None:  # fmt: skip
+    """``resident=True``: the GEMV loads its weights before its PDL wait. x is written by the
+    kernel right before it (RMSNorm of a buffer), over x poisoned with NaN: a GEMV that read x
+    before the wait would see NaN or stale values. Eager and inside a captured graph, with the
+    workspace's K split over blocks (its counters too must wait)."""
+    from ep.kernels import norm
+
+    M, N, K = 3, 200, 4864
+    s = device.default_stream
+    src = _acts(rng, dtype, M, K)
+    gamma = np.ones(K, dtype)
+    x_host = norm_ref.rms_norm(src, gamma, epsilon=1e-6)
+    if fmt == "nk":
+        w = _weights(rng, (N, K), K).astype(dtype)
+        weights, want = [upload(device, w)], _dense_ref(x_host, w, N, 1)
+    elif fmt == "q4":
+        b, scales, zp = _q4_case(rng, dtype, N, K, 32, True)
+        weights = [upload(device, b), upload(device, scales), upload(device, zp)]
+        want = _q4_ref(x_host, b, scales, zp, N, K, 32)
+    else:
+        b, scales = _mx4_case(rng, N, K)
+        weights = [upload(device, b), upload(device, scales)]
+        want = matmul_mxfp4(x_host, b, scales, K=K, N=N)
+    src_b, gamma_b = upload(device, src), upload(device, gamma)
+    x = device.alloc((M, K), dtype, stream=s, name="x")
+    out = _out(device, dtype, M, N, poison)
+    ws = matmul_workspace(device, stream=s)
+    common = dict(M=M, N=N, K=K, stream=s, workspace=ws, resident=True)
+
+    def step() -> MatmulPlan:
+        norm.rms_norm(device, x, src_b, gamma_b, rows=M, hidden=K, epsilon=1e-6, stream=s)
+        if fmt == "nk":
+            return gemm(device, out, x, weights[0], transpose_b=1, **common)
+        if fmt == "q4":
+            return gemm_nbits(device, out, x, *weights, block_size=32, **common)
+        return gemm_mxfp4(device, out, x, *weights, **common)
+
+    poison(x)
+    if captured:
+        with device.capture(stream=s) as cap:
+            plan = step()
+        poison(x)
+        poison(out)
+        cap.graph.launch(stream=s)
+    else:
+        plan = step()
+    assert plan.kernel == f"ep_gemv_{fmt}_{matmul._DTYPES[dtype][0]}" and plan.gy > 1
+    assert rel_error(out.to_host(stream=s), want) < _tol(dtype)
 
 
 @pytest.mark.parametrize("transpose_b", [1, 0], ids=["nk", "kn"])
