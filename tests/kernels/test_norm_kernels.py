@@ -39,7 +39,10 @@ def host(device: Device, buf: Buffer) -> np.ndarray:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("rows", "hidden"), [(5, 893), (3, 896), (1, 64), (2, 4096)])
+@pytest.mark.parametrize(
+    ("rows", "hidden"),
+    [(5, 893), (3, 896), (1, 64), (2, 4096), (2, 8200)],  # 8200: > 1024 units
+)
 def test_rms_norm_matches_reference(
     device: Device, dtype: np.dtype, rows: int, hidden: int
 ) -> None:
@@ -61,7 +64,7 @@ def test_rms_norm_matches_reference(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(("rows", "hidden"), [(4, 893), (3, 896)])
+@pytest.mark.parametrize(("rows", "hidden"), [(4, 893), (3, 896), (2, 8200)])
 def test_skip_rms_norm_matches_reference(
     device: Device, dtype: np.dtype, rows: int, hidden: int
 ) -> None:
