@@ -31,6 +31,23 @@ from ep.ops import norm as ref
 __all__ = ["rms_norm", "skip_rms_norm"]
 
 _BODY = r"""
+// Unit i (16 bytes) of a row into a[]: x, or x + skip rounded to T (stored to the sum); its
+// squares added to ss in order.
+static __device__ __forceinline__ void sum_unit(float* a, float& ss, const T* xr, const T* sr,
+                                                T* tr, i64 i, int has_skip) {
+    constexpr int N = Pack<T>::N;
+    load16(xr + i * N, a);
+    if (has_skip) {
+        float b[N];
+        load16(sr + i * N, b);
+#pragma unroll
+        for (int k = 0; k < N; ++k) a[k] = to_f32(from_f32<T>(a[k] + b[k]));
+        store16(tr + i * N, a);
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) ss += a[k] * a[k];
+}
+
 extern "C" __global__ void __launch_bounds__(1024) KERNEL(
     T* y, T* sum_out, const T* x, const T* skip, const T* __restrict__ w,
     i64 rows, int hidden, float eps, int has_skip, int vec_ok) {
@@ -53,16 +70,7 @@ extern "C" __global__ void __launch_bounds__(1024) KERNEL(
         float a[N], g[N];
         if (mine) {
             load16(w + (i64)i * N, g);
-            load16(xr + (i64)i * N, a);
-            if (has_skip) {
-                float b[N];
-                load16(sr + (i64)i * N, b);
-#pragma unroll
-                for (int k = 0; k < N; ++k) a[k] = to_f32(from_f32<T>(a[k] + b[k]));
-                store16(tr + (i64)i * N, a);
-            }
-#pragma unroll
-            for (int k = 0; k < N; ++k) ss += a[k] * a[k];
+            sum_unit(a, ss, xr, sr, tr, i, has_skip);
         }
         ss = block_sum(ss, scratch);
         const float inv = 1.0f / sqrtf(ss / (float)hidden + eps);
@@ -76,16 +84,7 @@ extern "C" __global__ void __launch_bounds__(1024) KERNEL(
     if (vec_ok) {
         for (int i = threadIdx.x; i < hidden / N; i += blockDim.x) {
             float a[N];
-            load16(xr + (i64)i * N, a);
-            if (has_skip) {
-                float b[N];
-                load16(sr + (i64)i * N, b);
-#pragma unroll
-                for (int k = 0; k < N; ++k) a[k] = to_f32(from_f32<T>(a[k] + b[k]));
-                store16(tr + (i64)i * N, a);
-            }
-#pragma unroll
-            for (int k = 0; k < N; ++k) ss += a[k] * a[k];
+            sum_unit(a, ss, xr, sr, tr, i, has_skip);
         }
     } else {
         for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
