@@ -924,25 +924,49 @@ def _check_workspace(op: str, dev: Device, workspace: MatmulWorkspace | None) ->
         _buffer(op, dev, role, buf, 1, dtype)
 
 
-def _launch(
+def _plan_and_launch(
     dev: Device,
-    plan: MatmulPlan,
+    fmt: Format,
+    dtype: np.dtype,
     args: list[object],
+    flags: int,
+    *,
+    M: int,
+    N: int,
+    K: int,
     workspace: MatmulWorkspace | None,
+    split_n: int | None,
+    resident: bool,
     out: Buffer,
     stream: Stream,
+    block_size: int = 32,
 ) -> MatmulPlan:
-    """Launch ``plan``; GEMV kernels get (workspace, counters) after the weights, (kw, gy) last."""
+    """Plan the call (`plan_matmul`) and launch it. ``args`` are the kernel's arguments before
+    its flags; GEMV kernels also get (workspace, counters) after the weights and (kw, gy) before
+    the flags. ``resident`` adds EPK_EARLY to ``flags`` (the module docstring)."""
+    flags |= _FLAG_EARLY if resident else 0
+    plan = plan_matmul(
+        fmt,
+        dtype,
+        M=M,
+        N=N,
+        K=K,
+        block_size=block_size,
+        workspace=workspace,
+        sm_count=_sm_count(dev),
+        split_n=split_n,
+        aligned=bool(flags & _FLAG_W16),
+        max_shared=int(dev.limits["max_shared_mem"]),
+    )
     kernel = dev.kernel(plan.kernel)
     if plan.kind == "gemv":
         ws: Buffer = workspace.partials if workspace is not None else out  # unused when gy == 1
         cnt: Buffer = workspace.counters if workspace is not None else out
-        *head, flags = args
-        n_weights = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}[plan.kernel.split("_")[2]]
-        full = [*head[:n_weights], ws, cnt, *head[n_weights:], plan.kw, plan.gy, flags]
+        n_weights = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}[fmt]
+        full = [*args[:n_weights], ws, cnt, *args[n_weights:], plan.kw, plan.gy, flags]
         kernel.launch(plan.grid, plan.block, *full, stream=stream, shared_mem=plan.shared)
     else:
-        kernel.launch(plan.grid, plan.block, *args, stream=stream)
+        kernel.launch(plan.grid, plan.block, *args, flags, stream=stream)
     return plan
 
 
@@ -984,20 +1008,10 @@ def gemm(
     fmt: Format = "nk" if transpose_b else "kn"
     row = (K if transpose_b else N) * dtype.itemsize
     flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
-    flags |= _FLAG_EARLY if resident else 0
-    plan = plan_matmul(
-        fmt,
-        dtype,
-        M=M,
-        N=N,
-        K=K,
-        workspace=workspace,
-        sm_count=_sm_count(dev),
-        split_n=split_n,
-        aligned=bool(flags & _FLAG_W16),
-        max_shared=int(dev.limits["max_shared_mem"]),
-    )
-    return _launch(dev, plan, [out, x, w, M, N, K, flags], workspace, out, stream)
+    return _plan_and_launch(
+        dev, fmt, dtype, [out, x, w, M, N, K], flags, M=M, N=N, K=K, workspace=workspace,
+        split_n=split_n, resident=resident, out=out, stream=stream,
+    )  # fmt: skip
 
 
 def gemm_nbits(
@@ -1041,7 +1055,7 @@ def gemm_nbits(
     _buffer(op, dev, "b", b, N * row_bytes, u8)
     _buffer(op, dev, "scales", scales, N * k_blocks, dtype)
     inputs = {"x": x, "b": b, "scales": scales}
-    flags = _x16(x, K) | (_FLAG_EARLY if resident else 0)
+    flags = _x16(x, K)
     if zero_points is not None:
         _buffer(op, dev, "zero_points", zero_points, N * ((k_blocks + 1) // 2), u8)
         inputs["zero_points"] = zero_points
@@ -1053,23 +1067,13 @@ def gemm_nbits(
         flags |= _FLAG_W16
     if b.ptr % 8 == 0:
         flags |= _FLAG_W8
-    plan = plan_matmul(
-        "q4",
-        dtype,
-        M=M,
-        N=N,
-        K=K,
-        block_size=block_size,
-        workspace=workspace,
-        sm_count=_sm_count(dev),
-        split_n=split_n,
-        aligned=bool(flags & _FLAG_W16),
-        max_shared=int(dev.limits["max_shared_mem"]),
-    )
     shift = int(math.log2(block_size))
     zp = zero_points if zero_points is not None else b  # never read without EPK_ZP
-    args: list[object] = [out, x, b, scales, zp, M, N, K, k_blocks, shift, flags]
-    return _launch(dev, plan, args, workspace, out, stream)
+    return _plan_and_launch(
+        dev, "q4", dtype, [out, x, b, scales, zp, M, N, K, k_blocks, shift], flags, M=M, N=N,
+        K=K, block_size=block_size, workspace=workspace, split_n=split_n, resident=resident,
+        out=out, stream=stream,
+    )  # fmt: skip
 
 
 def gemm_mxfp4(
@@ -1107,17 +1111,7 @@ def gemm_mxfp4(
     _disjoint(op, out, {"x": x, "b": b, "scales": scales})
     _check_workspace(op, dev, workspace)
     flags = _x16(x, K) | (_FLAG_W16 if b.ptr % 16 == 0 else 0) | (_FLAG_W8 if b.ptr % 8 == 0 else 0)
-    flags |= _FLAG_EARLY if resident else 0
-    plan = plan_matmul(
-        "mx4",
-        dtype,
-        M=M,
-        N=N,
-        K=K,
-        workspace=workspace,
-        sm_count=_sm_count(dev),
-        split_n=split_n,
-        aligned=bool(flags & _FLAG_W16),
-        max_shared=int(dev.limits["max_shared_mem"]),
-    )
-    return _launch(dev, plan, [out, x, b, scales, M, N, K, flags], workspace, out, stream)
+    return _plan_and_launch(
+        dev, "mx4", dtype, [out, x, b, scales, M, N, K], flags, M=M, N=N, K=K,
+        workspace=workspace, split_n=split_n, resident=resident, out=out, stream=stream,
+    )  # fmt: skip

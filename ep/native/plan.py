@@ -1043,19 +1043,20 @@ class StepPlan:
             w = self._weight(str(a["weight"]))
             return functools.partial(
                 matmul.gemm, dev, buf(outs[0]), buf(ins[0]), w, M=x.size // k, N=int(a["N"]),
-                K=k, transpose_b=int(a["transpose_b"]), stream=st,
-                workspace=self.matmul_workspace, resident=self.early and isinstance(w, Buffer),
+                K=k, transpose_b=int(a["transpose_b"]), stream=st, workspace=self.matmul_workspace,
+                resident=self.early and not isinstance(w, _Deferred),
             )  # fmt: skip
         if op in ("MatMulNBits", "MatMulNBitsZP"):
             x = self._contiguous(node, ins[0])
             zp = buf(ins[3]) if op == "MatMulNBitsZP" else None
-            ws = [buf(ins[1]), buf(ins[2]), *([zp] if zp is not None else [])]
+            packed, scales = buf(ins[1]), buf(ins[2])
+            fetched = any(isinstance(w, _Deferred) for w in (packed, scales, zp))
             return functools.partial(
-                matmul.gemm_nbits, dev, buf(outs[0]), buf(ins[0]), ws[0], ws[1], zp,
+                matmul.gemm_nbits, dev, buf(outs[0]), buf(ins[0]), packed, scales, zp,
                 M=x.size // int(a["K"]), N=int(a["N"]), K=int(a["K"]),
                 block_size=int(a["block_size"]), bits=int(a["bits"]), stream=st,
                 workspace=self.matmul_workspace,
-                resident=self.early and all(isinstance(w, Buffer) for w in ws),
+                resident=self.early and not fetched,
             )  # fmt: skip
         if op == "Add":
             x = self._contiguous(node, ins[0])
