@@ -1507,6 +1507,27 @@ struct Mx4Stream {
   }
 };
 
+// A warp's finished 16-row group j (the persistent GEMVs: `stream_run`, `v2_gemv`): lane (g, t)
+// holds C[n][m] at n = 16j + (g | g + 8), m = 2t | 2t + 1 (+ 8 with TWO) in two chains; their sum
+// is stored where inside y [M, N] and the accumulators are cleared for the next group.
+template <typename T, bool TWO>
+__device__ __forceinline__ void store_group(T* __restrict__ y, float (&c)[2][2][4], int j, int g,
+                                            int t, int M, int N) {
+  const int n = (j << 4) + g;
+#pragma unroll
+  for (int h = 0; h < (TWO ? 2 : 1); ++h) {
+    const int m = 2 * t + 8 * h;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int mm = m + (r & 1), nn = n + 8 * (r >> 1);
+      if (mm < M && nn < N) {
+        y[(size_t)mm * (size_t)N + nn] = Elem<T>::from_f(c[h][0][r] + c[h][1][r]);
+      }
+      c[h][0][r] = c[h][1][r] = 0.0f;
+    }
+  }
+}
+
 template <typename T, class P, bool TWO, bool FAST>
 __device__ __forceinline__ void stream_run(const P& wp, T* __restrict__ y,
                                            const T* __restrict__ x, int M, int N, int K,
@@ -1580,20 +1601,8 @@ __device__ __forceinline__ void stream_run(const P& wp, T* __restrict__ y,
         mma16816<T>(c[1][v & 1], a[2], e[2], a[3], e[3], xh[v].z, xh[v].w);
       }
     }
-    if (++ci == steps) {  // group cj is complete: C[n][m] at (g | g + 8, 2t | 2t + 1 (+ 8))
-      const int n = (cj << 4) + g;
-#pragma unroll
-      for (int h = 0; h < (TWO ? 2 : 1); ++h) {
-        const int m = 2 * t + 8 * h;
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int mm = m + (r & 1), nn = n + 8 * (r >> 1);
-          if (mm < M && nn < N) {
-            y[(size_t)mm * N + nn] = Elem<T>::from_f(c[h][0][r] + c[h][1][r]);
-          }
-          c[h][0][r] = c[h][1][r] = 0.0f;
-        }
-      }
+    if (++ci == steps) {  // group cj is complete
+      store_group<T, TWO>(y, c, cj, g, t, M, N);
       ci = 0;
       ++cj;
     }
@@ -2163,20 +2172,8 @@ __device__ __forceinline__ void v2_run(const P& wp, T* __restrict__ y, const T* 
           wp.rows(++lj, g, lr);
         }
       }
-      if (++ci == S) {  // group cj done: C[n][m] at (g | g + 8, 2t | 2t + 1 (+ 8))
-        const int n = (cj << 4) + g;
-#pragma unroll
-        for (int h = 0; h < (TWO ? 2 : 1); ++h) {
-          const int m = 2 * t + 8 * h;
-#pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            const int mm = m + (r & 1), nn = n + 8 * (r >> 1);
-            if (mm < M && nn < N) {
-              y[(size_t)mm * (size_t)N + nn] = Elem<T>::from_f(c[h][0][r] + c[h][1][r]);
-            }
-            c[h][0][r] = c[h][1][r] = 0.0f;
-          }
-        }
+      if (++ci == S) {  // group cj is complete
+        store_group<T, TWO>(y, c, cj, g, t, M, N);
         ci = 0;
         ++cj;
         xa = xa0;
