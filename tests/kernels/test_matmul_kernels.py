@@ -756,6 +756,21 @@ def test_stream_mxfp4_matches_matmul_mxfp4(
     assert rel_error(got[: M * N].reshape(M, N), want) < _tol(dtype)
 
 
+def _assert_rows_bitwise(
+    run: Callable[[np.ndarray], np.ndarray], x: np.ndarray, spans: tuple[tuple[int, int], ...]
+) -> None:
+    """``run(rows)`` gives the GEMV's output for those rows of x: the batch of all 16 is finite
+    and the same on a second run, and each of its rows equals that row run alone and inside the
+    batches ``x[lo:hi]`` of ``spans``."""
+    batch = run(x)
+    assert np.isfinite(batch.astype(np.float32)).all()
+    np.testing.assert_array_equal(run(x), batch)
+    for i in range(GEMV_MAX_ROWS):
+        np.testing.assert_array_equal(run(x[i : i + 1]), batch[i : i + 1])
+    for lo, hi in spans:
+        np.testing.assert_array_equal(run(x[lo:hi]), batch[lo:hi])
+
+
 @pytest.mark.parametrize("fmt", ["q4", "mx4"])
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 def test_stream_rows_are_bitwise_the_same_at_every_batch_size(
@@ -789,13 +804,7 @@ def test_stream_rows_are_bitwise_the_same_at_every_batch_size(
         assert "_stream_" in plan.kernel
         return out.to_host(stream=s)
 
-    batch = run(x)
-    assert np.isfinite(batch.astype(np.float32)).all()
-    np.testing.assert_array_equal(run(x), batch)
-    for i in range(GEMV_MAX_ROWS):
-        np.testing.assert_array_equal(run(x[i : i + 1]), batch[i : i + 1])
-    np.testing.assert_array_equal(run(x[3:11]), batch[3:11])
-    np.testing.assert_array_equal(run(x[7:16]), batch[7:16])
+    _assert_rows_bitwise(run, x, ((3, 11), (7, 16)))
 
 
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
@@ -961,6 +970,36 @@ def _check_rows(got: np.ndarray, want: Callable[[slice], np.ndarray], N: int, dt
         assert rel_error(got[:, r], want(r)) < _tol(dtype), r
 
 
+def _check_v2_batches(
+    dev: Device, poison: Poison, rel_error: RelError, dtype: np.dtype, x: np.ndarray, N: int,
+    launch: Callable[[Buffer, Buffer, int], MatmulPlan], want: Callable[[int], np.ndarray],
+    kernel: str, v2: bool,
+) -> None:  # fmt: skip
+    """M = 16, 1, 3, 4 (`V2_ROWS`): ``launch(out, x[:M], M)`` runs ``kernel`` exactly when
+    ``v2``, matches ``want(M)`` (`_check_rows`), writes nothing past y, and each row of the
+    smaller batches is bitwise the same as in the batch of 16."""
+    s = dev.default_stream
+    batch: np.ndarray | None = None
+    for M in V2_ROWS:
+        out = dev.alloc(M * N + 40, dtype, stream=s, name="y")  # 40 spare elements stay NaN
+        poison(out)
+        plan = launch(out, dev.to_device(x[:M], stream=s), M)
+        assert (plan.kernel == kernel) == v2, plan.kernel
+        got = out.to_host(stream=s)
+        assert np.isnan(got[M * N :].astype(np.float32)).all()  # nothing written past y
+        got = got[: M * N].reshape(M, N)
+        full = want(M)
+
+        def ref(r: slice, full: np.ndarray = full) -> np.ndarray:
+            return full[:, r]
+
+        _check_rows(got, ref, N, dtype, rel_error)
+        if batch is None:
+            batch = got
+        else:
+            np.testing.assert_array_equal(got, batch[:M])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("zero_point", [False, True], ids=["zp8", "zp"])
 @pytest.mark.parametrize("block", [16, 32, 64, 128])
@@ -986,26 +1025,15 @@ def test_v2_nbits_matches_matmul_nbits_at_every_batch_size(
     b, scales, zp = _q4_case(rng, dtype, N, K, block, zero_point)
     weights = [dev.to_device(b, stream=s), dev.to_device(scales, stream=s)]
     zb = dev.to_device(zp, stream=s) if zp is not None else None
-    batch: np.ndarray | None = None
-    for M in V2_ROWS:
-        out = dev.alloc(M * N + 40, dtype, stream=s, name="y")  # 40 spare elements stay NaN
-        poison(out)
-        plan = gemm_nbits(dev, out, dev.to_device(x[:M], stream=s), weights[0], weights[1], zb,
-                          M=M, N=N, K=K, block_size=block, stream=s, split_n=VOCAB)  # fmt: skip
-        assert (plan.kernel == _v2_kernel("q4", dtype)) == (block >= 32), plan.kernel
-        got = out.to_host(stream=s)
-        assert np.isnan(got[M * N :].astype(np.float32)).all()  # nothing written past y
-        got = got[: M * N].reshape(M, N)
-        want = _q4_ref(x[:M], b, scales, zp, N, K, block)
 
-        def ref(r: slice, want: np.ndarray = want) -> np.ndarray:
-            return want[:, r]
+    def launch(out: Buffer, xb: Buffer, M: int) -> MatmulPlan:
+        return gemm_nbits(dev, out, xb, weights[0], weights[1], zb, M=M, N=N, K=K,
+                          block_size=block, stream=s, split_n=VOCAB)  # fmt: skip
 
-        _check_rows(got, ref, N, dtype, rel_error)
-        if batch is None:
-            batch = got
-        else:
-            np.testing.assert_array_equal(got, batch[:M])
+    _check_v2_batches(
+        dev, poison, rel_error, dtype, x, N, launch,
+        lambda M: _q4_ref(x[:M], b, scales, zp, N, K, block), _v2_kernel("q4", dtype), block >= 32,
+    )  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -1025,26 +1053,14 @@ def test_v2_mxfp4_matches_matmul_mxfp4_at_every_batch_size(
     x = _acts(rng, dtype, GEMV_MAX_ROWS, K)
     mb, ms = _mx4_case(rng, N, K)
     weights = [dev.to_device(mb, stream=s), dev.to_device(ms, stream=s)]
-    batch: np.ndarray | None = None
-    for M in V2_ROWS:
-        out = dev.alloc(M * N + 40, dtype, stream=s, name="y")
-        poison(out)
-        plan = gemm_mxfp4(dev, out, dev.to_device(x[:M], stream=s), *weights, M=M, N=N, K=K,
-                          stream=s, split_n=VOCAB)  # fmt: skip
-        assert plan.kernel == _v2_kernel("mx4", dtype)
-        got = out.to_host(stream=s)
-        assert np.isnan(got[M * N :].astype(np.float32)).all()
-        got = got[: M * N].reshape(M, N)
-        want = matmul_mxfp4(x[:M], mb, ms, K=K, N=N)
 
-        def ref(r: slice, want: np.ndarray = want) -> np.ndarray:
-            return want[:, r]
+    def launch(out: Buffer, xb: Buffer, M: int) -> MatmulPlan:
+        return gemm_mxfp4(dev, out, xb, *weights, M=M, N=N, K=K, stream=s, split_n=VOCAB)
 
-        _check_rows(got, ref, N, dtype, rel_error)
-        if batch is None:
-            batch = got
-        else:
-            np.testing.assert_array_equal(got, batch[:M])
+    _check_v2_batches(
+        dev, poison, rel_error, dtype, x, N, launch,
+        lambda M: matmul_mxfp4(x[:M], mb, ms, K=K, N=N), _v2_kernel("mx4", dtype), True,
+    )  # fmt: skip
 
 
 @pytest.mark.cuda
@@ -1544,13 +1560,7 @@ def test_v2_rows_are_bitwise_the_same_at_every_batch_size(
         assert "_v2_" in plan.kernel
         return out.to_host(stream=s)
 
-    batch = run(x)
-    assert np.isfinite(batch.astype(np.float32)).all()
-    np.testing.assert_array_equal(run(x), batch)
-    for i in range(GEMV_MAX_ROWS):
-        np.testing.assert_array_equal(run(x[i : i + 1]), batch[i : i + 1])
-    for lo, hi in ((0, 3), (3, 11), (7, 16)):
-        np.testing.assert_array_equal(run(x[lo:hi]), batch[lo:hi])
+    _assert_rows_bitwise(run, x, ((0, 3), (3, 11), (7, 16)))
 
 
 @pytest.mark.usefixtures("dense_v2_anywhere")
