@@ -15,7 +15,7 @@ import difflib
 import os
 import re
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,20 +130,17 @@ def parse_piece(text: str | int) -> int:
     return nbytes
 
 
-def _piece_check(value: str) -> str:
-    try:
-        parse_piece(value)
-    except ConfigError as exc:
-        return str(exc)
-    return ""
+def _parse_check(parse: Callable[[str], object]) -> Callable[[str], str]:
+    """A key's check from its parser: the parser's error message, or "" when the value parses."""
 
+    def check(value: str) -> str:
+        try:
+            parse(value)
+        except ConfigError as exc:
+            return str(exc)
+        return ""
 
-def _budget_check(value: str) -> str:
-    try:
-        parse_budget(value)
-    except ConfigError as exc:
-        return str(exc)
-    return ""
+    return check
 
 
 def _positive(value: int) -> str:
@@ -171,11 +168,11 @@ CORE_OPTIONS: dict[str, Option] = {
     ),
     "offload.budget": Option(
         "budget", str, "100%", "device bytes for weights: bytes, '2GiB' or '50%'",
-        check=_budget_check,
+        check=_parse_check(parse_budget),
     ),
     "offload.piece": Option(
         "piece", str, "32MiB", "weights larger than this are streamed in pieces of this size",
-        check=_piece_check,
+        check=_parse_check(parse_piece),
     ),
 }  # fmt: skip
 
