@@ -4,7 +4,8 @@
 #   bash tools/gpu_run.sh [OUT]        # OUT defaults to $OUT, else ./gpu-results
 #   LARGE=0 skips the 1.5B-shaped offload run; ALL=1 adds the whole test suite.
 #   STAGES="tests profile" runs only those stages (tests profile kernels native large; default
-#   all): a session's calls on the device machine are at most 10 minutes each.
+#   all): a session's calls on the device machine are at most 10 minutes each. TESTS="PATH ..."
+#   narrows the tests stage to those paths (default: tests).
 #
 # The machine has no network: wheels the project needs beyond what is installed there
 # (onnxruntime-extensions) come from ./.whl (see docs/benchmarks/README.md for how to fetch them).
@@ -56,15 +57,18 @@ stage() {  # stage LIMIT NAME COMMAND...
 
 cuda_rc=0 bench_rc=0 native_rc=0
 if want tests; then
+    # shellcheck disable=SC2086  # TESTS is a list of paths
     TAIL=15 stage 420 pytest-cuda python3 -m pytest -q -m cuda -p no:cacheprovider \
-        --junitxml="$out/pytest-cuda.xml" tests
+        --junitxml="$out/pytest-cuda.xml" ${TESTS:-tests}
     cuda_rc=$?
 fi
-if want profile; then  # batch 1 and 16, then A/Bs: no launch fusions, no early weight loads
+if want profile; then  # batch 1 and 16, then A/Bs: no fusions, no SwiGLU epilogue, no early loads
     TAIL=40 stage 90 profile python3 tools/profile_native.py --batch 1,16 --out "$out"
-    mkdir -p "$out/unfused" "$out/late"
+    mkdir -p "$out/unfused" "$out/mlp-off" "$out/late"
     GENAI_EP_FUSE=0 TAIL=12 stage 60 profile-unfused python3 tools/profile_native.py --batch 1 \
         --loop 0 --out "$out/unfused"
+    GENAI_EP_FUSE_MLP=0 TAIL=24 stage 90 profile-mlp-off python3 tools/profile_native.py \
+        --batch 1,16 --out "$out/mlp-off"
     GENAI_EP_EARLY=0 TAIL=12 stage 60 profile-late python3 tools/profile_native.py --batch 1,16 \
         --out "$out/late"
 fi

@@ -14,10 +14,12 @@ capture policy, then
 
     python3 tools/profile_native.py --out DIR      # on the H200: DIR/profile_native.json
 
-A/B of the fused QKV commit (one call from the QKV projection's bias to the KV commit, op type
-``QKVRotaryCommit``): ``GENAI_EP_FUSE=0 python3 tools/profile_native.py --out DIR_OFF`` binds
-each node on its own; the JSON records which (``fuse``). A/B of the GEMVs' early weight loads
-(resident weights loaded before each GEMV's PDL wait): ``GENAI_EP_EARLY=0`` (``early``).
+A/B of the fusions (one call from the QKV projection's bias to the KV commit, op type
+``QKVRotaryCommit``; the gate/up GEMV with a SwiGLU epilogue, ``MatMul+SwiGLUPacked``):
+``GENAI_EP_FUSE=0 python3 tools/profile_native.py --out DIR_OFF`` binds each node on its own,
+``GENAI_EP_FUSE_MLP=0`` keeps only the SwiGLU epilogue off; the JSON records which (``fuse``,
+``fuse_mlp``). A/B of the GEMVs' early weight loads (resident weights loaded before each GEMV's
+PDL wait): ``GENAI_EP_EARLY=0`` (``early``).
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
         "graph_ms": graph_ms,
         # each call once: a commit timed with its attention is not counted again on its own
         "sum_of_ops_ms": sum(
-            v["total_us"] for op, v in ops.items() if not any(k.startswith(f"{op}+") for k in ops)
+            v["total_us"] for op, v in ops.items() if op not in {k.split("+")[0] for k in paired}
         )
         / 1e3,
         "calls": len(calls),
@@ -150,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ep.model import load_model
     from ep.native import NativeBackend
-    from ep.native.plan import early_enabled, fuse_enabled
+    from ep.native.plan import early_enabled, fuse_enabled, fuse_mlp_enabled
     from ep_builtin.capture_warmup import WarmupCapture
     from ep_builtin.kv_seq_major import SeqMajorLayout
 
@@ -159,9 +161,12 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(folder)
     results = []
     fuse = fuse_enabled()
+    fuse_mlp = fuse and fuse_mlp_enabled()
     early = "on" if early_enabled() else "off (GENAI_EP_EARLY=0)"
-    print(f"fused QKV commit: {'on' if fuse else 'off (GENAI_EP_FUSE=0)'}; resident GEMV "
-          f"weights loaded before the PDL wait: {early}")  # fmt: skip
+    mlp = "on" if fuse_mlp else ("off (GENAI_EP_FUSE_MLP=0)" if fuse else "off")
+    print(f"fused QKV commit: {'on' if fuse else 'off (GENAI_EP_FUSE=0)'}; gate/up GEMV with a "
+          f"SwiGLU epilogue: {mlp}; resident GEMV weights loaded before the PDL wait: "
+          f"{early}")  # fmt: skip
     for batch in (int(b) for b in s.batch.split(",")):
         backend = NativeBackend(
             model,
@@ -182,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(s.out)
         out.mkdir(parents=True, exist_ok=True)
         payload = {"tool": "profile_native", "machine": machine_info(), "spec": s.spec,
-                   "fuse": fuse, "early": early_enabled(), "results": results}  # fmt: skip
+                   "fuse": fuse, "fuse_mlp": fuse_mlp, "early": early_enabled(),
+                   "results": results}  # fmt: skip
         (out / "profile_native.json").write_text(json.dumps(payload, indent=1))
     return 0
 

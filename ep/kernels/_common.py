@@ -24,6 +24,7 @@ from ep.errors import KernelArgumentError, KernelFaultError
 __all__ = [
     "FLOAT_DTYPES",
     "PRELUDE",
+    "SILU_MUL",
     "KernelFault",
     "check_faults",
     "dtype_suffix",
@@ -121,6 +122,15 @@ static __device__ __forceinline__ i64 load_index(const void* p, i64 i, int is64)
 }
 
 static __device__ __forceinline__ void set_fault(u32* status, u32 bit) { atomicOr(status, bit); }
+"""
+
+# silu(g) * u in float32, the one definition of the SwiGLU kernels (`ep.kernels.mlp`) and of the
+# GEMVs with a SwiGLU epilogue (`ep.kernels.matmul`): both compile it with `OPTIONS`' settings, so
+# the fused GEMV stores the bits of the GEMV followed by the SwiGLU kernel.
+SILU_MUL = r"""
+static __device__ __forceinline__ float silu_mul(float g, float u) {
+    return g / (1.0f + expf(-g)) * u;
+}
 """
 
 # Headers for fp16/bf16; the kernels are tolerance-tested, so FMA contraction stays on.

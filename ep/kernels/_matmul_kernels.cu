@@ -81,6 +81,7 @@ struct Elem<float> {
   typedef u32 Bits;
   static constexpr int kVec = 4;  // elements per 16 bytes
   __device__ static float from_f(float v) { return v; }
+  __device__ static float to_f(float v) { return v; }
 };
 
 template <>
@@ -89,6 +90,7 @@ struct Elem<__half> {
   static constexpr int kVec = 8;
   static constexpr u32 kMagic = 0x6400u;  // 1024.0: the bits 0x6400 | q are 1024 + q exactly
   __device__ static __half from_f(float v) { return __float2half_rn(v); }
+  __device__ static float to_f(__half v) { return __half2float(v); }
 };
 
 template <>
@@ -97,6 +99,7 @@ struct Elem<__nv_bfloat16> {
   static constexpr int kVec = 8;
   static constexpr u32 kMagic = 0x4300u;  // 128.0: the bits 0x4300 | q are 128 + q exactly
   __device__ static __nv_bfloat16 from_f(float v) { return __float2bfloat16_rn(v); }
+  __device__ static float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
 };
 
 // Packed pair arithmetic on two 16-bit floats in one register (low half = lower k).
@@ -445,27 +448,84 @@ struct Mx4Rows {  // MXFP4: b [N, K/32, 16], scales [N, K/32] E8M0
   }
 };
 
+// --- GEMV output columns: plain, or gate/up pairs for a SwiGLU epilogue ----------------------
+//
+// A split-K GEMV block owns groups of COLS output columns (8 for row_gemv, 16 for row_gemv_wt).
+// `PlainCols`: column n is weight row n, y is [M, N]. `SwigluCols<COLS>` (the
+// `ep_gemv_<fmt>_swiglu_<dt>` kernels): y = silu(gate) * up of a packed gate/up weight, computed
+// without the packed product ever reaching memory. Column n of the launch is, within its group
+// of COLS, gate output j (first half) or up output j (second half) of the same j = (n / COLS) *
+// (COLS / 2) + n % (COLS / 2), so both halves of a pair are finished by one block. Weight row of
+// gate j: j * stride, of up j: j * stride + up ([gate | up] halves: stride 1, up = inter;
+// interleaved g0, u0, g1, ...: stride 2, up = 1). Each sum is rounded to T first, then
+// silu_mul and rounded again: bitwise the GEMV's y followed by the SwiGLUPacked kernel
+// (`ep.kernels.mlp` compiles the same silu_mul). A row's sums are those of the plain GEMV at the
+// same kw and gy (the plan keeps them), so the K split and the arithmetic are unchanged.
+
+struct PlainCols {
+  int N;
+  static constexpr bool kPairs = false;
+  __device__ __forceinline__ int row(int n) const { return n; }
+  __device__ __forceinline__ bool ok(int n) const { return n < N; }
+};
+
+template <int COLS>
+struct SwigluCols {
+  int inter, stride, up;
+  static constexpr bool kPairs = true;
+  static constexpr int H = COLS / 2;
+  __device__ __forceinline__ int out(int n) const { return (n / COLS) * H + n % H; }
+  __device__ __forceinline__ int row(int n) const {
+    return out(n) * stride + ((n % COLS) >= H ? up : 0);
+  }
+  __device__ __forceinline__ bool ok(int n) const { return out(n) < inter; }
+  template <typename T>
+  __device__ __forceinline__ T finish(float gate, float upv) const {
+    const float g = Elem<T>::to_f(Elem<T>::from_f(gate));
+    const float u = Elem<T>::to_f(Elem<T>::from_f(upv));
+    return Elem<T>::from_f(silu_mul(g, u));
+  }
+};
+
 // --- GEMV: the reduction shared by every GEMV ----------------------------------------------
 //
 // Block = 8 warps. Warp w works on output group (w / kw) of the block and K slice (w % kw);
 // red[w][m][c] holds its partial sums for the group's COLS columns. The block adds its kw slices
 // in order; with gy > 1 each block (blockIdx.y = its K range) writes its sum to the workspace
 // [gy, M, N] and the last block to arrive adds the gy partial sums in order, writes y and resets
-// its counter to zero for the next launch.
+// its counter to zero for the next launch. With `SwigluCols` y is [M, inter] and each pair of
+// columns becomes one output (above).
 
-template <typename T, int COLS>
+template <typename T, int COLS, class C>
 __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restrict__ y, float* ws,
-                                            u32* counters, int M, int N, int kw, int gy) {
+                                            u32* counters, int M, int N, int kw, int gy,
+                                            const C& oc) {
   __shared__ u32 s_last;
   __syncthreads();
   const int cols = (8 / kw) * COLS;
   const int nb = blockIdx.x * cols;
   const int total = M * cols;
+  if constexpr (C::kPairs) {
+    if (gy == 1) {
+      constexpr int H = COLS / 2;
+      for (int e = threadIdx.x; e < total / 2; e += blockDim.x) {
+        const int m = e / (cols / 2), pl = e - m * (cols / 2);
+        const int grp = pl / H, col = pl - grp * H;
+        const int n = nb + grp * COLS + col;  // the gate column; up is n + H
+        if (!oc.ok(n)) continue;
+        float sg = 0.0f, su = 0.0f;
+        for (int q = 0; q < kw; ++q) sg += red[grp * kw + q][m][col];
+        for (int q = 0; q < kw; ++q) su += red[grp * kw + q][m][col + H];
+        y[(size_t)m * oc.inter + oc.out(n)] = oc.template finish<T>(sg, su);
+      }
+      return;
+    }
+  }
   for (int e = threadIdx.x; e < total; e += blockDim.x) {
     const int m = e / cols, cl = e - m * cols;
     const int grp = cl / COLS, col = cl - grp * COLS;
     const int n = nb + cl;
-    if (n >= N) continue;
+    if (!oc.ok(n)) continue;
     float s = 0.0f;
     for (int q = 0; q < kw; ++q) s += red[grp * kw + q][m][col];
     if (gy == 1) {
@@ -481,13 +541,26 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int e = threadIdx.x; e < total; e += blockDim.x) {
-    const int m = e / cols, cl = e - m * cols;
-    const int n = nb + cl;
-    if (n >= N) continue;
-    float s = 0.0f;
-    for (int b = 0; b < gy; ++b) s += __ldcg(&ws[((size_t)b * M + m) * N + n]);
-    y[(size_t)m * N + n] = Elem<T>::from_f(s);
+  if constexpr (C::kPairs) {
+    constexpr int H = COLS / 2;
+    for (int e = threadIdx.x; e < total / 2; e += blockDim.x) {
+      const int m = e / (cols / 2), pl = e - m * (cols / 2);
+      const int n = nb + (pl / H) * COLS + pl % H;
+      if (!oc.ok(n)) continue;
+      float sg = 0.0f, su = 0.0f;
+      for (int b = 0; b < gy; ++b) sg += __ldcg(&ws[((size_t)b * M + m) * N + n]);
+      for (int b = 0; b < gy; ++b) su += __ldcg(&ws[((size_t)b * M + m) * N + n + H]);
+      y[(size_t)m * oc.inter + oc.out(n)] = oc.template finish<T>(sg, su);
+    }
+  } else {
+    for (int e = threadIdx.x; e < total; e += blockDim.x) {
+      const int m = e / cols, cl = e - m * cols;
+      const int n = nb + cl;
+      if (n >= N) continue;
+      float s = 0.0f;
+      for (int b = 0; b < gy; ++b) s += __ldcg(&ws[((size_t)b * M + m) * N + n]);
+      y[(size_t)m * N + n] = Elem<T>::from_f(s);
+    }
   }
   if (threadIdx.x == 0) counters[blockIdx.x] = 0u;
 }
@@ -502,10 +575,10 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
 // fp32 path: each lane multiplies its 8 weights with the 8 x of every row m, then the 4 lanes of
 // a row are added with two shuffles.
 
-template <typename T, class P, int U>
+template <typename T, class P, int U, class C>
 __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T* __restrict__ x,
                                          float* ws, u32* counters, int M, int N, int K, int kw,
-                                         int gy, u32 flags) {
+                                         int gy, u32 flags, const C& oc) {
   __shared__ float red[8][16][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -513,7 +586,8 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
   const int slice = blockIdx.y * kw + warp % kw;
   const int slices = gy * kw;
   const int n = group * 8 + g;
-  const bool row_ok = n < N;
+  const bool row_ok = oc.ok(n);
+  const int wrow = oc.row(n);  // the weight row of output column n
   const bool xv = (flags & EPK_X16) != 0;
   const int steps = wp.steps();
   typedef typename P::Raw Raw;
@@ -527,7 +601,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
-        raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
+        raw[u] = (row_ok && i < steps) ? wp.load(wrow, i, t) : P::none();
       }
       ready();
 #pragma unroll
@@ -582,7 +656,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
-        raw[u] = (row_ok && i < steps) ? wp.load(n, i, t) : P::none();
+        raw[u] = (row_ok && i < steps) ? wp.load(wrow, i, t) : P::none();
       }
       ready();
 #pragma unroll
@@ -617,7 +691,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
     red[warp][g + 8][2 * t + 1] = c[0][3];
   }
   ready();  // a warp with no K step still waits before the block writes
-  gemv_finish<T, 8>(red, y, ws, counters, M, N, kw, gy);
+  gemv_finish<T, 8>(red, y, ws, counters, M, N, kw, gy, oc);
 }
 
 // --- GEMV with the weights as the MMA's A operand (4-bit and MXFP4, fp16/bf16) ----------------
@@ -630,8 +704,9 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
 
 template <typename T, class P, int U, bool TWO>
 __device__ __forceinline__ void wt_steps(const P& wp, const T* __restrict__ x, int M, int K,
-                                         int n_lo, bool lo_ok, bool hi_ok, int slice, int slices,
-                                         bool xv, PdlWait& ready, float (&c)[2][2][4]) {
+                                         int row_lo, int row_hi, bool lo_ok, bool hi_ok,
+                                         int slice, int slices, bool xv, PdlWait& ready,
+                                         float (&c)[2][2][4]) {
   typedef typename P::Raw Raw;
   constexpr int kStepK = 32 * P::kUnits;  // k one step covers (4 lanes x kUnits x 8)
   const int lane = threadIdx.x & 31;
@@ -645,8 +720,8 @@ __device__ __forceinline__ void wt_steps(const P& wp, const T* __restrict__ x, i
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = i0 + u * slices;
-      lo[u] = (lo_ok && i < steps) ? wp.load(n_lo, i, t) : P::none();
-      hi[u] = (hi_ok && i < steps) ? wp.load(n_lo + 8, i, t) : P::none();
+      lo[u] = (lo_ok && i < steps) ? wp.load(row_lo, i, t) : P::none();
+      hi[u] = (hi_ok && i < steps) ? wp.load(row_hi, i, t) : P::none();
     }
     ready();
 #pragma unroll
@@ -685,10 +760,11 @@ __device__ __forceinline__ void wt_steps(const P& wp, const T* __restrict__ x, i
   }
 }
 
-template <typename T, class P, int U>
+template <typename T, class P, int U, class C>
 __device__ __forceinline__ void row_gemv_wt(const P& wp, T* __restrict__ y,
                                             const T* __restrict__ x, float* ws, u32* counters,
-                                            int M, int N, int K, int kw, int gy, u32 flags) {
+                                            int M, int N, int K, int kw, int gy, u32 flags,
+                                            const C& oc) {
   __shared__ float red[8][16][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -703,12 +779,12 @@ __device__ __forceinline__ void row_gemv_wt(const P& wp, T* __restrict__ y,
 #pragma unroll
     for (int q = 0; q < 2; ++q) c[h][q][0] = c[h][q][1] = c[h][q][2] = c[h][q][3] = 0.0f;
   PdlWait ready(flags);
+  const int r_lo = oc.row(n_lo), r_hi = oc.row(n_lo + 8);
+  const bool lo_ok = oc.ok(n_lo), hi_ok = oc.ok(n_lo + 8);
   if (M > 8) {  // warp-uniform: a branch-free loop for each case
-    wt_steps<T, P, U, true>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, ready,
-                            c);
+    wt_steps<T, P, U, true>(wp, x, M, K, r_lo, r_hi, lo_ok, hi_ok, slice, slices, xv, ready, c);
   } else {
-    wt_steps<T, P, U, false>(wp, x, M, K, n_lo, n_lo < N, n_lo + 8 < N, slice, slices, xv, ready,
-                             c);
+    wt_steps<T, P, U, false>(wp, x, M, K, r_lo, r_hi, lo_ok, hi_ok, slice, slices, xv, ready, c);
   }
   ready();  // a warp with no K step still waits before the block writes
 #pragma unroll
@@ -719,7 +795,7 @@ __device__ __forceinline__ void row_gemv_wt(const P& wp, T* __restrict__ y,
     red[warp][m][g + 8] = c[h][0][2] + c[h][1][2];
     red[warp][m + 1][g + 8] = c[h][0][3] + c[h][1][3];
   }
-  gemv_finish<T, 16>(red, y, ws, counters, M, N, kw, gy);
+  gemv_finish<T, 16>(red, y, ws, counters, M, N, kw, gy, oc);
 }
 
 // --- GEMV over weight columns (dense kn: W [K, N]) ---------------------------------------------
@@ -847,7 +923,7 @@ __device__ __forceinline__ void col_gemv(T* __restrict__ y, const T* __restrict_
       red[warp][g + 8][16 * t + 8 + j] = c[j][3];
     }
   }
-  gemv_finish<T, 64>(red, y, ws, counters, M, N, kw, gy);
+  gemv_finish<T, 64>(red, y, ws, counters, M, N, kw, gy, PlainCols{N});
 }
 
 // --- tensor-core GEMM (fp16/bf16) ------------------------------------------------------------

@@ -113,6 +113,8 @@ import numpy as np
 
 from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream, register_kernel
 from ep.errors import KernelArgumentError
+from ep.kernels._common import SILU_MUL
+from ep.ops import mlp as mlp_ref
 from ep.ops.matmul import (
     MXFP4_BLOCK,
     dequantize_mxfp4,
@@ -134,6 +136,8 @@ __all__ = [
     "gemv_version",
     "matmul_workspace",
     "plan_matmul",
+    "sm_count",
+    "split_k_gemv",
     "v2_geometry",
     "v2_shared_bytes",
 ]
@@ -220,7 +224,9 @@ _GEMV_ROWS = {
 _Q4_SIZES = "int M, int N, int K, int kb, int bs_shift"
 
 
-def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool) -> str:
+def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool, swiglu: bool = False) -> str:
+    """The split-K GEMV; ``swiglu``: its SwiGLU-epilogue twin (two more parameters: the outputs
+    a row, inter, and whether gate/up are interleaved)."""
     sizes = _Q4_SIZES if fmt == "q4" else "int M, int N, int K"
     blocks = 3 if fmt in ("q4", "mx4") and not fp32 else 1  # 3 blocks an SM: <= 85 registers
     head = f'extern "C" __global__ void __launch_bounds__({_GEMV_THREADS}, {blocks}) {name}('
@@ -233,10 +239,17 @@ def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool) -> str:
     weights, policy, ptype = _GEMV_ROWS[fmt]
     # 4-bit and MXFP4 on tensor cores: the dequantized weights are the MMA's A operand.
     body = "row_gemv" if fp32 or fmt == "nk" else "row_gemv_wt"
+    extra, cols = "", "const epk::PlainCols oc{N};"
+    if swiglu:  # groups of 8 columns (row_gemv) or 16 (row_gemv_wt): half gate, half up
+        extra = ", int inter, int interleaved"
+        cols = (
+            f"const epk::SwigluCols<{8 if body == 'row_gemv' else 16}> oc{{inter, "
+            "interleaved ? 2 : 1, interleaved ? 1 : inter};"
+        )
     return (
         f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
-        f"u32 flags) {{\n  {policy}\n"
-        f"  epk::{body}<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, flags);"
+        f"u32 flags{extra}) {{\n  {policy}\n  {cols}\n"
+        f"  epk::{body}<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, flags, oc);"
         "\n}\n"
     )
 
@@ -342,6 +355,8 @@ _GEMM_PARAMS: dict[str, tuple[str, ...]] = {
     "q4": ("T*", "T*", "u8*", "T*", "u8*", *["i32"] * 5, "u32"),
     "mx4": ("T*", "T*", "u8*", "u8*", "i32", "i32", "i32", "u32"),
 }
+# A GEMV's arguments before its (workspace, counters): y, x and the weight buffers.
+_ARGS_BEFORE_WS = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}
 # Steps each warp keeps in flight (weight registers per lane: 16 bytes x unroll).
 _UNROLL: dict[tuple[str, bool], int] = {
     ("nk", False): 4,
@@ -435,8 +450,32 @@ def _twin(fmt: str, gemv: bool) -> Callable[..., None]:
     return _twin_q4(gemv) if fmt == "q4" else _twin_mx4(gemv)
 
 
+def _twin_swiglu(fmt: str) -> Callable[..., None]:
+    """The SwiGLU-epilogue GEMV: the GEMV's twin into a packed [M, N] row set, then
+    `ep.ops.mlp.swiglu` on its gate and up halves (or interleaved columns), as the unfused
+    MatMul and SwiGLUPacked twins compute them."""
+    plain = _twin(fmt, True)
+    at_m = _ARGS_BEFORE_WS[fmt] + 2  # M and N follow the workspace and the counters
+
+    def twin(*args: object) -> None:
+        *rest, inter_arg, interleaved = args
+        y = rest[0]
+        assert isinstance(y, np.ndarray)
+        M, N, inter = int(rest[at_m]), int(rest[at_m + 1]), int(inter_arg)  # type: ignore[call-overload]
+        packed = np.empty(M * N, y.dtype)
+        plain(packed, *rest[1:])
+        rows = packed.reshape(M, N)
+        if interleaved:
+            gate, up = rows[:, 0::2], rows[:, 1::2]
+        else:
+            gate, up = rows[:, :inter], rows[:, inter:]
+        y[: M * inter] = mlp_ref.swiglu(gate, up).reshape(-1)
+
+    return twin
+
+
 def _register() -> dict[str, KernelSource]:
-    body = _cuda_source()
+    body = SILU_MUL + _cuda_source()  # silu_mul before the .cu: its SwiGLU epilogue calls it
     options = CompileOptions(cuda_headers=True)  # tolerance-tested: FMA contraction stays on
     out: dict[str, KernelSource] = {}
     for suffix, ctype in _DTYPES.values():
@@ -460,6 +499,20 @@ def _register() -> dict[str, KernelSource]:
                         cpu=_twin(fmt, kind == "gemv"),
                         # the split-K GEMVs place their own wait (EPK_EARLY: weights first)
                         pdl_wait="kernel" if kind == "gemv" and fmt != "kn" else "entry",
+                    )
+                )
+            if fmt != "kn":  # the split-K GEMV with a SwiGLU epilogue (`SwigluCols` in the .cu)
+                name = f"ep_gemv_{fmt}_swiglu_{suffix}"
+                entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, swiglu=True)
+                params = (*_GEMV_PARAMS[fmt], "i32", "i32")  # + inter, interleaved
+                out[name] = register_kernel(
+                    KernelSource(
+                        name=name,
+                        source=f"{body}\ntypedef {ctype} T;\n{entry}",
+                        params=tuple(p.replace("T*", f"{suffix}*") for p in params),
+                        options=options,
+                        cpu=_twin_swiglu(fmt),
+                        pdl_wait="kernel",
                     )
                 )
             if fp32 or fmt == "kn":
@@ -593,6 +646,7 @@ def plan_matmul(
     split_n: int | None = None,
     aligned: bool = True,
     max_shared: int = _DEVICE_SHARED,
+    swiglu: bool = False,
 ) -> MatmulPlan:
     """The kernel and launch geometry for one call.
 
@@ -604,7 +658,10 @@ def plan_matmul(
     would choose them, so every column gets the arithmetic of the unsplit product. ``aligned``:
     the weight rows allow 16-byte loads (aligned base, row bytes a multiple of 16);
     ``max_shared``: a block's shared-memory limit on the device. Both only decide whether a v2
-    GEMV may run; `GEMV_ENV` ``=v1`` plans the earlier GEMVs only.
+    GEMV may run; `GEMV_ENV` ``=v1`` plans the earlier GEMVs only. ``swiglu``: the split-K GEMV
+    with a SwiGLU epilogue (``ep_gemv_<fmt>_swiglu_<dt>``, y [M, N/2]) at the K split the plain
+    split-K GEMV of these sizes gets (never a v2 or streaming GEMV; `_check_swiglu` says when it
+    applies).
     """
     found = _DTYPES.get(np.dtype(dtype))
     _need(
@@ -615,6 +672,8 @@ def plan_matmul(
     assert found is not None
     suffix = found[0]
     fp32 = suffix == "f32"
+    if swiglu:
+        _check_swiglu("matmul", fmt, M, N, split_n)
     if M > GEMV_MAX_ROWS:
         tiles_n, tiles_m = -(-N // 64), -(-M // 64)
         _need(tiles_m <= 65535, "matmul", f"M={M} needs {tiles_m} row tiles; at most 65535")
@@ -639,12 +698,12 @@ def plan_matmul(
         )  # fmt: skip
         whole = int(split_n)
     v2_skipped = ""
-    if fmt != "kn" and not fp32:
+    if fmt != "kn" and not fp32 and not swiglu:
         v2 = _plan_v2(fmt, suffix, M, N, whole, K, block_size, sm_count, aligned, max_shared)
         if isinstance(v2, MatmulPlan):
             return v2
         v2_skipped = f"; v2 not taken: {v2}"
-    if fmt in _STREAM_FORMATS and not fp32:
+    if fmt in _STREAM_FORMATS and not fp32 and not swiglu:
         stream = _plan_stream(fmt, suffix, N, whole, K, sm_count)
         if stream is not None:
             return replace(stream, reason=stream.reason + v2_skipped)
@@ -677,8 +736,10 @@ def plan_matmul(
         why += f"; K split of the whole {whole} columns"
     grid_x = -(-groups // (8 // kw))
     _need(grid_x <= 2**31 - 1, "matmul", f"N={N} needs {grid_x} blocks; too many")
+    if swiglu:
+        why += f"; SwiGLU epilogue: y is [M, {N // 2}]"
     return MatmulPlan(
-        f"ep_gemv_{fmt}_{suffix}",
+        f"ep_gemv_{fmt}_swiglu_{suffix}" if swiglu else f"ep_gemv_{fmt}_{suffix}",
         "gemv",
         (grid_x, gy, 1),
         _GEMV_THREADS,
@@ -687,6 +748,34 @@ def plan_matmul(
         f"M={M} <= {GEMV_MAX_ROWS}: GEMV, {groups} groups of {cols} columns x {kw * gy} K slices "
         f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}{v2_skipped}",
     )
+
+
+def split_k_gemv(plan: MatmulPlan) -> bool:
+    """Whether ``plan`` runs a split-K GEMV ``ep_gemv_<fmt>_<dt>`` (the kernels that have a
+    SwiGLU-epilogue twin), not a v2, streaming or SwiGLU GEMV nor a GEMM."""
+    return plan.kind == "gemv" and plan.kernel.count("_") == 3
+
+
+def _check_swiglu(op: str, fmt: Format, M: int, N: int, split_n: int | None) -> None:
+    """The SwiGLU epilogue runs in the split-K GEMVs of dense [N, K], 4-bit and MXFP4 weights
+    over a whole packed gate/up weight whose halves fill whole 16-column groups."""
+    _need(
+        fmt != "kn",
+        op,
+        "a SwiGLU epilogue needs the weight as [N, K] (transpose_b=1); transpose it at load",
+    )
+    _need(
+        M <= GEMV_MAX_ROWS,
+        op,
+        f"a SwiGLU epilogue runs in the GEMV only (M <= {GEMV_MAX_ROWS}); M={M}: run the GEMM "
+        "and the SwiGLUPacked kernel",
+    )
+    _need(
+        N % 16 == 0,
+        op,
+        f"a SwiGLU epilogue needs N (gate and up outputs) a multiple of 16; got N={N}",
+    )
+    _need(split_n is None, op, "a SwiGLU epilogue needs the whole gate/up weight (no split_n)")
 
 
 def _plan_stream(
@@ -827,7 +916,8 @@ def _plan_v2(
     )
 
 
-def _sm_count(dev: Device) -> int:
+def sm_count(dev: Device) -> int:
+    """The device's SM count (the H200's when it does not say): GEMV plans depend on it."""
     count = getattr(dev, "sm_count", None)
     if isinstance(count, int) and count > 0:
         return count
@@ -904,6 +994,20 @@ def _activation_dtype(op: str, x: object) -> np.dtype:
     return x.dtype
 
 
+def _out_cols(op: str, fmt: Format, swiglu: object, M: int, N: int, split_n: int | None) -> int:
+    """Output columns a row: N, or N / 2 with a SwiGLU epilogue (checked: `_check_swiglu`)."""
+    if swiglu is None:
+        return N
+    _need(
+        swiglu in (0, 1) and not isinstance(swiglu, bool),
+        op,
+        f"swiglu={swiglu!r}; expected None (no epilogue), 0 ([gate | up] halves) or 1 "
+        "(interleaved gate/up rows)",
+    )
+    _check_swiglu(op, fmt, M, N, split_n)
+    return N // 2
+
+
 def _x16(x: Buffer, K: int) -> int:
     return _FLAG_X16 if x.ptr % 16 == 0 and (K * x.dtype.itemsize) % 16 == 0 else 0
 
@@ -940,10 +1044,12 @@ def _plan_and_launch(
     out: Buffer,
     stream: Stream,
     block_size: int = 32,
+    swiglu: int | None = None,
 ) -> MatmulPlan:
     """Plan the call (`plan_matmul`) and launch it. ``args`` are the kernel's arguments before
     its flags; GEMV kernels also get (workspace, counters) after the weights and (kw, gy) before
-    the flags. ``resident`` adds EPK_EARLY to ``flags`` (the module docstring)."""
+    the flags, and with ``swiglu`` (0 or 1: gate/up interleaved) (N / 2, swiglu) after them.
+    ``resident`` adds EPK_EARLY to ``flags`` (the module docstring)."""
     flags |= _FLAG_EARLY if resident else 0
     plan = plan_matmul(
         fmt,
@@ -953,17 +1059,20 @@ def _plan_and_launch(
         K=K,
         block_size=block_size,
         workspace=workspace,
-        sm_count=_sm_count(dev),
+        sm_count=sm_count(dev),
         split_n=split_n,
         aligned=bool(flags & _FLAG_W16),
         max_shared=int(dev.limits["max_shared_mem"]),
+        swiglu=swiglu is not None,
     )
     kernel = dev.kernel(plan.kernel)
     if plan.kind == "gemv":
         ws: Buffer = workspace.partials if workspace is not None else out  # unused when gy == 1
         cnt: Buffer = workspace.counters if workspace is not None else out
-        n_weights = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}[fmt]
+        n_weights = _ARGS_BEFORE_WS[fmt]
         full = [*args[:n_weights], ws, cnt, *args[n_weights:], plan.kw, plan.gy, flags]
+        if swiglu is not None:
+            full += [N // 2, swiglu]
         kernel.launch(plan.grid, plan.block, *full, stream=stream, shared_mem=plan.shared)
     else:
         kernel.launch(plan.grid, plan.block, *args, flags, stream=stream)
@@ -987,14 +1096,18 @@ def gemm(
     workspace: MatmulWorkspace | None = None,
     split_n: int | None = None,
     resident: bool = False,
+    swiglu: int | None = None,
 ) -> MatmulPlan:
     """``out[M, N] = x[M, K] @ W``: W is [K, N] (``transpose_b=0``) or [N, K] (``transpose_b=1``).
 
     The same contract as `ep.ops.matmul.matmul_weight`. x, w and out share a float dtype.
     ``split_n``: W is an output-column piece of a weight of ``split_n`` columns (`plan_matmul`).
     ``resident``: no kernel writes W while this call may run (a resident weight), so the split-K
-    GEMV loads it before it waits for the previous kernel (module docstring). Returns the plan it
-    ran.
+    GEMV loads it before it waits for the previous kernel (module docstring). ``swiglu`` (0: W's
+    rows are [gate | up] halves, 1: interleaved g0, u0, g1, ...): ``out[M, N/2]`` is
+    ``SwiGLUPacked(x @ W, interleaved=swiglu)``, bitwise the GEMV followed by
+    `ep.kernels.mlp.swiglu_packed` where the plain call plans the split-K GEMV (`_check_swiglu`:
+    M <= 16, W [N, K], N % 16 == 0). Returns the plan it ran.
     """
     op = "gemm"
     _sizes(op, M=M, N=N, K=K)
@@ -1002,15 +1115,15 @@ def gemm(
     dtype = _activation_dtype(op, x)
     _buffer(op, dev, "x", x, M * K, dtype)
     _buffer(op, dev, "w", w, N * K, dtype)
-    _buffer(op, dev, "out", out, M * N, dtype)
+    fmt: Format = "nk" if transpose_b else "kn"
+    _buffer(op, dev, "out", out, M * _out_cols(op, fmt, swiglu, M, N, split_n), dtype)
     _disjoint(op, out, {"x": x, "w": w})
     _check_workspace(op, dev, workspace)
-    fmt: Format = "nk" if transpose_b else "kn"
     row = (K if transpose_b else N) * dtype.itemsize
     flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
     return _plan_and_launch(
         dev, fmt, dtype, [out, x, w, M, N, K], flags, M=M, N=N, K=K, workspace=workspace,
-        split_n=split_n, resident=resident, out=out, stream=stream,
+        split_n=split_n, resident=resident, out=out, stream=stream, swiglu=swiglu,
     )  # fmt: skip
 
 
@@ -1031,13 +1144,14 @@ def gemm_nbits(
     workspace: MatmulWorkspace | None = None,
     split_n: int | None = None,
     resident: bool = False,
+    swiglu: int | None = None,
 ) -> MatmulPlan:
     """``out = x @ dequantize(B)^T`` for MatMulNBits weights (`ep.ops.matmul.matmul_nbits`).
 
     b: uint8 [N, ceil(K/block_size), block_size/2]; scales: x's dtype [N * k_blocks];
     zero_points: uint8 [N, ceil(k_blocks/2)] packed two per byte, or None for zero point 8.
     ``split_n``: the three are rows of a weight of ``split_n`` rows (`plan_matmul`).
-    ``resident``: as in `gemm`, for b, scales and zero points.
+    ``resident``: as in `gemm`, for b, scales and zero points. ``swiglu``: as in `gemm`.
     """
     op = "gemm_nbits"
     _sizes(op, M=M, N=N, K=K, block_size=block_size)
@@ -1060,7 +1174,7 @@ def gemm_nbits(
         _buffer(op, dev, "zero_points", zero_points, N * ((k_blocks + 1) // 2), u8)
         inputs["zero_points"] = zero_points
         flags |= _FLAG_ZP
-    _buffer(op, dev, "out", out, M * N, dtype)
+    _buffer(op, dev, "out", out, M * _out_cols(op, "q4", swiglu, M, N, split_n), dtype)
     _disjoint(op, out, inputs)
     _check_workspace(op, dev, workspace)
     if b.ptr % 16 == 0 and row_bytes % 16 == 0:
@@ -1072,7 +1186,7 @@ def gemm_nbits(
     return _plan_and_launch(
         dev, "q4", dtype, [out, x, b, scales, zp, M, N, K, k_blocks, shift], flags, M=M, N=N,
         K=K, block_size=block_size, workspace=workspace, split_n=split_n, resident=resident,
-        out=out, stream=stream,
+        out=out, stream=stream, swiglu=swiglu,
     )  # fmt: skip
 
 
@@ -1090,6 +1204,7 @@ def gemm_mxfp4(
     workspace: MatmulWorkspace | None = None,
     split_n: int | None = None,
     resident: bool = False,
+    swiglu: int | None = None,
 ) -> MatmulPlan:
     """``out = x @ dequantize_mxfp4(b, scales)^T`` (`ep.ops.matmul.matmul_mxfp4`).
 
@@ -1097,7 +1212,7 @@ def gemm_mxfp4(
     K must be a multiple of 32. For fp16 activations the dequantized weights are fp16, so a
     block whose scale puts them outside fp16's range overflows (as any fp16 product would).
     ``split_n``: b and scales are rows of a weight of ``split_n`` rows (`plan_matmul`).
-    ``resident``: as in `gemm`, for b and scales.
+    ``resident``: as in `gemm`, for b and scales. ``swiglu``: as in `gemm`.
     """
     op = "gemm_mxfp4"
     _sizes(op, M=M, N=N, K=K)
@@ -1107,11 +1222,12 @@ def gemm_mxfp4(
     _buffer(op, dev, "x", x, M * K, dtype)
     _buffer(op, dev, "b", b, N * K // 2, u8)
     _buffer(op, dev, "scales", scales, N * K // MXFP4_BLOCK, u8)
-    _buffer(op, dev, "out", out, M * N, dtype)
+    _buffer(op, dev, "out", out, M * _out_cols(op, "mx4", swiglu, M, N, split_n), dtype)
     _disjoint(op, out, {"x": x, "b": b, "scales": scales})
     _check_workspace(op, dev, workspace)
     flags = _x16(x, K) | (_FLAG_W16 if b.ptr % 16 == 0 else 0) | (_FLAG_W8 if b.ptr % 8 == 0 else 0)
     return _plan_and_launch(
         dev, "mx4", dtype, [out, x, b, scales, M, N, K], flags, M=M, N=N, K=K,
         workspace=workspace, split_n=split_n, resident=resident, out=out, stream=stream,
+        swiglu=swiglu,
     )  # fmt: skip

@@ -15,6 +15,7 @@ import numpy as np
 from ep.device import Buffer, Device, Stream
 from ep.kernels._common import (
     FLOAT_DTYPES,
+    SILU_MUL,
     aligned,
     check_buffer,
     dtype_suffix,
@@ -28,11 +29,9 @@ __all__ = ["swiglu", "swiglu_packed"]
 
 _THREADS = 256
 
-_BODY = r"""
-static __device__ __forceinline__ float silu_mul(float g, float u) {
-    return g / (1.0f + expf(-g)) * u;
-}
-
+_BODY = (
+    SILU_MUL
+    + r"""
 extern "C" __global__ void __launch_bounds__(256) KERNEL(
     T* __restrict__ out, const T* gate, const T* up, i64 rows, i64 inter,
     i64 g_row, i64 g_col, i64 u_row, i64 u_col, int vec_ok) {
@@ -58,6 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) KERNEL(
     }
 }
 """
+)
 
 
 def _strided(flat: np.ndarray, offset: int, rows: int, cols: int, rs: int, cs: int) -> np.ndarray:

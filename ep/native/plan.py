@@ -59,8 +59,9 @@ from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["EARLY_ENV", "FUSE_ENV", "KVBinding", "StepPlan", "WeightRead", "early_enabled",
-           "fuse_enabled", "split_specs", "weight_reads"]  # fmt: skip
+__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "KVBinding", "StepPlan", "WeightRead",
+           "early_enabled", "fuse_enabled", "fuse_mlp_enabled", "split_specs",
+           "weight_reads"]  # fmt: skip
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
 _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no weight read
@@ -68,6 +69,7 @@ _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no wei
 _KERNEL_INPUTS = {"KVCommit": 3, "KVCommitPaged": 3, "KVAttention": 3, "KVAttentionPaged": 3}
 _COMMITS = ("KVCommit", "KVCommitPaged")
 FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), for A/B runs
+FUSE_MLP_ENV = "GENAI_EP_FUSE_MLP"  # 0: no SwiGLU epilogue in the gate/up GEMV (A/B runs)
 EARLY_ENV = "GENAI_EP_EARLY"  # 0: GEMVs never load resident weights before their PDL wait (A/B)
 
 
@@ -81,6 +83,12 @@ def _switch(name: str, off: str, on: str, environ: Mapping[str, str] | None) -> 
 def fuse_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether plans fuse a layer's bias/rotary/commit chain (`FUSE_ENV`: unset or 1 yes, 0 no)."""
     return _switch(FUSE_ENV, "bind each node on its own", "fuse", environ)
+
+
+def fuse_mlp_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether plans that fuse also run a packed gate/up projection and its SwiGLUPacked as one
+    GEMV with a SwiGLU epilogue (`FUSE_MLP_ENV`: unset or 1 yes, 0 no; an A/B of that fusion)."""
+    return _switch(FUSE_MLP_ENV, "the GEMV, then SwiGLUPacked", "one GEMV", environ)
 
 
 def early_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -333,6 +341,22 @@ class _QKVFusion:
 
 
 @dataclass(frozen=True)
+class _SwigluFusion:
+    """A packed gate/up projection and the SwiGLUPacked that alone reads it, one GEMV call with
+    a SwiGLU epilogue (`ep.kernels.matmul.gemm`'s ``swiglu``): the packed product never reaches
+    memory. ``first``/``last``: the two nodes (only views between them)."""
+
+    matmul: Node
+    swiglu: Node
+    first: int
+    last: int
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        return (self.matmul, self.swiglu)
+
+
+@dataclass(frozen=True)
 class KVBinding:
     """What the KV ops of one step are bound to."""
 
@@ -386,6 +410,7 @@ class StepPlan:
         # the fused QKV commits (``fuse`` None: as `FUSE_ENV` says); the arena depends on them
         self.fuse = fuse_enabled() if fuse is None else fuse
         self.fusions = self._qkv_fusions() if self.fuse else []
+        self.mlp_fusions = self._swiglu_fusions() if self.fuse and fuse_mlp_enabled() else []
         self.early = early_enabled()  # resident weights loaded before a GEMV's PDL wait
         self._assign(tag)
         out = self.values[program.output]
@@ -573,7 +598,8 @@ class StepPlan:
         output = self.values[self.program.output].base
         last[output] = len(self.program.nodes)
         nodes = self.program.nodes
-        for fusion in self.fusions:
+        fusions: tuple[_QKVFusion | _SwigluFusion, ...] = (*self.fusions, *self.mlp_fusions)
+        for fusion in fusions:
             # One call reads and writes at once: what the span reads lives to its end, what it
             # writes from its start (so nothing it writes reuses bytes it still reads).
             for node in nodes[fusion.first : fusion.last + 1]:
@@ -666,14 +692,18 @@ class StepPlan:
         pairs = self._rotary_pairs()
         joined = {k.name for k in pairs.values()}
         nodes = self.program.nodes
-        fused_at = {nodes[f.first].name: f for f in self.fusions}
-        absorbed = {n.name for f in self.fusions for n in f.nodes} - set(fused_at)
+        fusions: tuple[_QKVFusion | _SwigluFusion, ...] = (*self.fusions, *self.mlp_fusions)
+        fused_at = {nodes[f.first].name: f for f in fusions}
+        absorbed = {n.name for f in fusions for n in f.nodes} - set(fused_at)
         for node in nodes:
             if node.op in _VIEWS or node.name in joined or node.name in absorbed:
                 continue
             fusion = fused_at.get(node.name)
-            if fusion is not None:
-                call: Callable[[], object] = self._bind_fusion(fusion, kv)
+            if isinstance(fusion, _SwigluFusion):
+                call: Callable[[], object] = self._bind_matmul(node, fusion.swiglu)
+                name = f"{node.op}+SwiGLUPacked:{node.name}"
+            elif fusion is not None:
+                call = self._bind_fusion(fusion, kv)
                 name = f"QKVRotaryCommit:{fusion.commit.name}"
             else:
                 call = self._bind_node(node, kv, pairs.get(node.name))
@@ -806,8 +836,72 @@ class StepPlan:
             return None  # q, k or v is made inside the chain (by the chain itself)
         return _QKVFusion(add, q, k, commit, first, c)
 
-    def _unwritten(self, fusion: _QKVFusion) -> list[str]:
-        """The storage a fusion never writes: the rotated k, and the biased sum when fused."""
+    def _swiglu_fusions(self) -> list[_SwigluFusion]:
+        """Every MatMul / 4-bit MatMulNBits whose output only a SwiGLUPacked reads, run as one
+        GEMV with a SwiGLU epilogue where that is bitwise the two calls: the SwiGLUPacked is the
+        next working node, the projection is a whole (not pieced) [N, K] or 4-bit weight with
+        N % 16 == 0, and at this plan's M the projection alone would run the split-K GEMV (the
+        epilogue's kernel has its K split; a v2, streaming or GEMM plan is left unfused)."""
+        from ep.kernels import matmul
+
+        nodes, values = self.program.nodes, self.values
+        output = values[self.program.output].base
+        readers: dict[str, list[int]] = {}
+        for i, node in enumerate(nodes):
+            if node.op not in _VIEWS:
+                for name in node.inputs:
+                    v = values.get(name)
+                    if v is not None:
+                        readers.setdefault(v.base, []).append(i)
+        sm_count = matmul.sm_count(self.device)
+        max_shared = int(self.device.limits["max_shared_mem"])
+        found: list[_SwigluFusion] = []
+        for i, node in enumerate(nodes):
+            if node.op not in ("MatMul", "MatMulNBits", "MatMulNBitsZP"):
+                continue
+            packed = values[node.outputs[0]]
+            use = readers.get(packed.base, [])
+            if packed.base == output or packed.base != node.outputs[0] or len(use) != 1:
+                continue
+            j = use[0]
+            act = nodes[j]
+            if (
+                act.op != "SwiGLUPacked"
+                or values[act.inputs[0]].base != packed.base
+                or values[act.inputs[0]].shape != packed.shape
+                or any(nodes[n].op not in _VIEWS for n in range(i + 1, j))
+            ):
+                continue
+            x = values[node.inputs[0]]
+            a = node.attrs
+            if x.tok != x.per_token():
+                continue
+            fmt: matmul.Format
+            if node.op == "MatMul":
+                fmt, k, block = "nk", x.shape[-1], 32
+                if int(a["transpose_b"]) != 1 or self._split(str(a["weight"])) is not None:
+                    continue
+            else:
+                fmt, k, block = "q4", int(a["K"]), int(a["block_size"])
+                weights = node.inputs[1 : 4 if node.op == "MatMulNBitsZP" else 3]
+                if int(a["bits"]) != 4 or any(self._split(w) is not None for w in weights):
+                    continue
+            n, m = int(a["N"]), x.size // k
+            if n % 16 or m > matmul.GEMV_MAX_ROWS:
+                continue
+            plain = matmul.plan_matmul(
+                fmt, x.dtype, M=m, N=n, K=k, block_size=block, workspace=self.matmul_workspace,
+                sm_count=sm_count, max_shared=max_shared,
+            )  # fmt: skip
+            if matmul.split_k_gemv(plain):
+                found.append(_SwigluFusion(node, act, i, j))
+        return found
+
+    def _unwritten(self, fusion: _QKVFusion | _SwigluFusion) -> list[str]:
+        """The storage a fusion never writes: the packed gate/up product; the rotated k, and
+        the biased sum when fused."""
+        if isinstance(fusion, _SwigluFusion):
+            return [self.values[fusion.matmul.outputs[0]].base]
         names = [self.values[fusion.k.outputs[0]].base]
         if fusion.add is not None:
             names.append(self.values[fusion.add.outputs[0]].base)
@@ -879,6 +973,37 @@ class StepPlan:
             q_out_token_stride=values[q.outputs[0]].tok, k_token_stride=kx.tok,
             v_token_stride=vx.tok, block_table=kv.block_table, table_cols=kv.table_cols,
             status=self.status, stream=self.stream,
+        )  # fmt: skip
+
+    def _bind_matmul(self, node: Node, swiglu: Node | None = None) -> Callable[[], object]:
+        """A MatMul / MatMulNBits(ZP) call; with ``swiglu`` (a `_SwigluFusion`'s SwiGLUPacked)
+        it writes that node's output through the GEMV's SwiGLU epilogue instead."""
+        from ep.kernels import matmul
+
+        a, ins, buf = node.attrs, node.inputs, self.buffer
+        x = self._contiguous(node, ins[0])
+        out = buf((swiglu or node).outputs[0])
+        epilogue = None if swiglu is None else int(swiglu.attrs["interleaved"])
+        common: dict[str, Any] = dict(
+            N=int(a["N"]), stream=self.stream, workspace=self.matmul_workspace, swiglu=epilogue
+        )
+        # A weight bound once is resident: no kernel writes it, so the GEMV may load it before
+        # it waits for the previous kernel (`ep.kernels.matmul`, "Resident weights").
+        if node.op == "MatMul":
+            k = x.shape[-1]
+            w = self._weight(str(a["weight"]))
+            return functools.partial(
+                matmul.gemm, self.device, out, buf(ins[0]), w, M=x.size // k, K=k,
+                transpose_b=int(a["transpose_b"]),
+                resident=self.early and not isinstance(w, _Deferred), **common,
+            )  # fmt: skip
+        zp = buf(ins[3]) if node.op == "MatMulNBitsZP" else None
+        packed, scales = buf(ins[1]), buf(ins[2])
+        fetched = any(isinstance(w, _Deferred) for w in (packed, scales, zp))
+        return functools.partial(
+            matmul.gemm_nbits, self.device, out, buf(ins[0]), packed, scales, zp,
+            M=x.size // int(a["K"]), K=int(a["K"]), block_size=int(a["block_size"]),
+            bits=int(a["bits"]), resident=self.early and not fetched, **common,
         )  # fmt: skip
 
     def _split(self, name: str) -> SplitWeight | None:
@@ -1000,7 +1125,7 @@ class StepPlan:
     def _bind_node(
         self, node: Node, kv: KVBinding, joined: Node | None = None
     ) -> Callable[[], object]:
-        from ep.kernels import attention, embed, matmul, mlp, norm, rotary
+        from ep.kernels import attention, embed, mlp, norm, rotary
 
         dev, st, a = self.device, self.stream, node.attrs
         ins, outs, buf = node.inputs, node.outputs, self.buffer
@@ -1035,29 +1160,8 @@ class StepPlan:
                 buf(ins[2]), rows=x.size // x.shape[-1], hidden=x.shape[-1],
                 epsilon=float(a["epsilon"]), stream=st,
             )  # fmt: skip
-        # A weight bound once is resident: no kernel writes it, so the GEMV may load it before
-        # it waits for the previous kernel (`ep.kernels.matmul`, "Resident weights").
-        if op == "MatMul":
-            x = self._contiguous(node, ins[0])
-            k = x.shape[-1]
-            w = self._weight(str(a["weight"]))
-            return functools.partial(
-                matmul.gemm, dev, buf(outs[0]), buf(ins[0]), w, M=x.size // k, N=int(a["N"]),
-                K=k, transpose_b=int(a["transpose_b"]), stream=st, workspace=self.matmul_workspace,
-                resident=self.early and not isinstance(w, _Deferred),
-            )  # fmt: skip
-        if op in ("MatMulNBits", "MatMulNBitsZP"):
-            x = self._contiguous(node, ins[0])
-            zp = buf(ins[3]) if op == "MatMulNBitsZP" else None
-            packed, scales = buf(ins[1]), buf(ins[2])
-            fetched = any(isinstance(w, _Deferred) for w in (packed, scales, zp))
-            return functools.partial(
-                matmul.gemm_nbits, dev, buf(outs[0]), buf(ins[0]), packed, scales, zp,
-                M=x.size // int(a["K"]), N=int(a["N"]), K=int(a["K"]),
-                block_size=int(a["block_size"]), bits=int(a["bits"]), stream=st,
-                workspace=self.matmul_workspace,
-                resident=self.early and not fetched,
-            )  # fmt: skip
+        if op in ("MatMul", "MatMulNBits", "MatMulNBitsZP"):
+            return self._bind_matmul(node)
         if op == "Add":
             x = self._contiguous(node, ins[0])
             if not self._bias_ok(node):

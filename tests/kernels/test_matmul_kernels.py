@@ -112,11 +112,14 @@ def test_every_matmul_kernel_compiles_to_sm90_cubin(tmp_path: Path) -> None:
     for name, source in MATMUL_KERNELS.items():
         report = compile_kernel(source, "sm_90", cache=cache).report
         assert report.cubin_bytes > 0, name
-    # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, the streaming and v2 q4/mx4 GEMVs and
-    # the dense v2 GEMV (fp16/bf16)
-    assert len(MATMUL_KERNELS) == 24 + 4 + 4 + 2
+    # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, the streaming and v2 q4/mx4 GEMVs,
+    # the dense v2 GEMV (fp16/bf16) and the SwiGLU-epilogue GEMVs ({nk, q4, mx4} x every dtype)
+    assert len(MATMUL_KERNELS) == 24 + 4 + 4 + 2 + 9
     assert {n for n in MATMUL_KERNELS if "_v2_" in n} == {
         f"ep_gemv_{fmt}_v2_{dt}" for fmt in ("nk", "q4", "mx4") for dt in ("f16", "bf16")
+    }
+    assert {n for n in MATMUL_KERNELS if "_swiglu_" in n} == {
+        f"ep_gemv_{fmt}_swiglu_{dt}" for fmt in ("nk", "q4", "mx4") for dt in ("f32", "f16", "bf16")
     }
 
 
@@ -632,7 +635,7 @@ def test_workspace_starts_with_zero_counters(device: Device) -> None:
 # --- the streaming q4/mx4 GEMV (many output columns: the vocabulary projection) -----------------
 #
 # plan_matmul picks it when ceil(N / 16) >= 20 warps x the SM count; the tests below plan for one
-# SM (monkeypatched `_sm_count`) so that N = 1000 takes it: 5 blocks x 4 warps, about 3 groups of
+# SM (monkeypatched `sm_count`) so that N = 1000 takes it: 5 blocks x 4 warps, about 3 groups of
 # 16 rows a warp, so each warp's cp.async ring runs across group boundaries as on the H200.
 
 F16 = np.dtype(np.float16)
@@ -643,7 +646,7 @@ STREAM_N = 1000  # 62 full groups of 16 rows and a half one
 def one_sm(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plan for one SM, and stream MXFP4 too (its kernel is built and must be right); v1 GEMVs
     only (the v2 ones would take these shapes)."""
-    monkeypatch.setattr(matmul, "_sm_count", lambda dev: 1)
+    monkeypatch.setattr(matmul, "sm_count", lambda dev: 1)
     monkeypatch.setattr(matmul, "_STREAM_FORMATS", ("q4", "mx4"))
     monkeypatch.setenv(matmul.GEMV_ENV, "v1")
 
@@ -1595,7 +1598,7 @@ def test_v2_columns_do_not_depend_on_n_or_the_grid(
         _gemm_nk(dev, out, xb, piece, M, n1 - n0, K, split_n=N)
         parts.append(out.to_host(stream=s))
     np.testing.assert_array_equal(np.concatenate(parts, axis=1), want)
-    monkeypatch.setattr(matmul, "_sm_count", lambda dev: 1)
+    monkeypatch.setattr(matmul, "sm_count", lambda dev: 1)
     out = _out(dev, BF16, M, N, poison)
     one = _gemm_nk(dev, out, xb, dev.to_device(w, stream=s), M, N, K)
     assert one.grid[0] < -(-N // 8) // 8  # every block walks many tiles

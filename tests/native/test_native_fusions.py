@@ -1,6 +1,7 @@
-"""The fused QKV commit in the native plan: where it applies, it changes no bit; where the graph
-does not allow it, nothing is fused.
+"""The native plan's fusions: the fused QKV commit and the gate/up GEMV with a SwiGLU epilogue.
+Where they apply they change no bit; where the graph does not allow them, nothing is fused.
 
+QKV commit:
 Each model runs twice on the CPU device, ``GENAI_EP_FUSE=0`` and default, and the logits of
 every step must be bitwise equal: the tiny genai model built in the ep flavour (RotaryTheta, no
 bias) and rewritten from its onnxruntime-genai export (Rotary over cos/sin caches), in every KV
@@ -9,6 +10,12 @@ in float32 and bfloat16 (whose ops read and write through BitCast carriers). Neg
 a second reader of the rotated k or of the biased sum, a working node inside the chain, q and k
 rotations that differ, and the rotated k as the graph's output each keep that layer unfused
 (and still right).
+
+SwiGLU epilogue (``GENAI_EP_FUSE_MLP=0`` against the default, on weights prepacked to [N, K] as
+the CUDA device loads them; the CPU device runs them through the kernels' NumPy twins): every
+decode plan runs each layer's gate/up projection and its SwiGLUPacked as one call whose packed
+product gets no arena bytes, bitwise; a prefill of more than 16 rows (the GEMM) keeps two calls.
+Negative oracles: a second reader of the packed product and a working node between the two.
 """
 
 from __future__ import annotations
@@ -24,22 +31,24 @@ import pytest
 
 from ep.device import cuda_available
 from ep.errors import ConfigError
+from ep.kernels import matmul
 from ep.model import DecoderModel, load_model
 from ep.native import NativeBackend, as_ep_model
-from ep.native.plan import FUSE_ENV, StepPlan
-from ep.native.program import Node, Program
+from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, StepPlan
+from ep.native.program import Node, Program, load_program
 from ep.seams import KVLayout
 from ep_builtin.capture_warmup import WarmupCapture
 from ep_builtin.kv_head_major import HeadMajorLayout
 from ep_builtin.kv_paged import PagedLayout
 from ep_builtin.kv_seq_major import SeqMajorLayout
 from ep_builtin.offload_stream import StreamPolicy
-from ep_graphs import ModelSpec, build_model, random_weights
+from ep_graphs import Int4Options, ModelSpec, build_model, random_weights
 
 TINY = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
 PROMPTS: list[list[int]] = json.loads((TINY / "expected_tokens.json").read_text())["prompts"]
 STEPS = 12  # past the first capacity bucket (16): growth inside the run
 FUSED = "QKVRotaryCommit"
+FUSED_MLP = "+SwiGLUPacked"  # "MatMul+SwiGLUPacked" or "MatMulNBits+SwiGLUPacked"
 LAYOUTS: dict[str, Callable[[], KVLayout]] = {
     "head_major": lambda: HeadMajorLayout(min_capacity=16),
     "seq_major": lambda: SeqMajorLayout(min_capacity=16),
@@ -60,14 +69,23 @@ def genai_ep(tmp_path_factory: pytest.TempPathFactory) -> DecoderModel:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], DecoderModel]]:
-    """``qwen(dtype)``: a Qwen2-style spec model (q/k/v bias, theta 1e6), built once a dtype."""
+    """``qwen(dtype)``: a Qwen2-style spec model (q/k/v bias, theta 1e6), built once a dtype;
+    ``qwen("int4")``: bf16 activations, 4-bit projections (block 32, float arithmetic) and an
+    intermediate of 160 (a gate/up weight of 20 16-row groups)."""
     built: dict[str, DecoderModel] = {}
 
     def get(dtype: str) -> DecoderModel:
         if dtype not in built:
-            spec = dataclasses.replace(QWEN, qkv_bias=True, model_type="qwen2", dtype=dtype)
+            spec = dataclasses.replace(QWEN, qkv_bias=True, model_type="qwen2")
+            quant = None
+            if dtype == "int4":
+                spec = dataclasses.replace(spec, dtype="bf16", intermediate_size=160)
+                quant = Int4Options(accuracy_level=0)
+            else:
+                spec = dataclasses.replace(spec, dtype=dtype)
             out = tmp_path_factory.mktemp(f"qwen-{dtype}")
-            build_model(spec, random_weights(spec, seed=3), flavour="ep", out_dir=out)
+            build_model(spec, random_weights(spec, seed=3), flavour="ep", out_dir=out,
+                        quant=quant)  # fmt: skip
             built[dtype] = load_model(out)
         return built[dtype]
 
@@ -86,15 +104,18 @@ def run(
     prompts: Sequence[Sequence[int]],
     *,
     fuse: bool,
+    fuse_mlp: bool = True,
     program: Program | None = None,
     capture: bool = False,
     offload: Any = None,
     device: str = "cpu",
 ) -> Run:
-    """Greedy ``STEPS`` steps with the fusion on or off; ``program`` replaces the model's graph,
-    ``offload`` (a policy) places the weights in a store at a 100 % budget."""
+    """Greedy ``STEPS`` steps with the fusions on or off (``fuse_mlp``: the SwiGLU epilogue, when
+    ``fuse``); ``program`` replaces the model's graph, ``offload`` (a policy) places the weights
+    in a store at a 100 % budget."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FUSE_ENV, "1" if fuse else "0")
+        mp.setenv(FUSE_MLP_ENV, "1" if fuse_mlp else "0")
         backend = NativeBackend(
             model, LAYOUTS[layout](), capture=WarmupCapture(steps=1) if capture else None,
             offload=offload, budget="100%" if offload is not None else None, device=device,
@@ -127,13 +148,15 @@ def fused_layers(plan: StepPlan) -> list[int]:
 
 
 def assert_fused_everywhere(fused: Run, unfused: Run, layers: int, absorbed: int) -> None:
-    """Bitwise the same logits; per plan one fused call a layer, ``absorbed`` fewer calls each."""
+    """Bitwise the same logits; per plan one fused call a layer, ``absorbed`` fewer calls each
+    (and one fewer for each SwiGLU epilogue the plan has)."""
     assert np.array_equal(fused.logits, unfused.logits)
     assert len(fused.plans) == len(unfused.plans) >= 2  # prefill and decode
     for on, off in zip(fused.plans, unfused.plans, strict=True):
         assert (on.batch, on.seq) == (off.batch, off.seq)
         assert op_counts(on).get(FUSED) == layers and FUSED not in op_counts(off)
-        assert len(on.call_names) == len(off.call_names) - absorbed * layers
+        assert off.mlp_fusions == []
+        assert len(on.call_names) == len(off.call_names) - absorbed * layers - len(on.mlp_fusions)
         for op in ("Add", "Rotary", "RotaryTheta", "KVCommit"):
             assert op not in op_counts(on)
 
@@ -328,3 +351,142 @@ def test_rotated_k_as_the_graph_output_is_not_fused(
     k0 = _nodes(backend.program, "RotaryTheta")[1]
     backend.program = dataclasses.replace(backend.program, output=k0.outputs[0])
     assert fused_layers(backend._plan(1, 1)) == [1]
+
+
+# --- the gate/up GEMV with a SwiGLU epilogue ----------------------------------------------------
+
+
+def _prepacked(model: DecoderModel) -> Program:
+    """The model's graph with its MatMul weights as [N, K], as the CUDA device loads it."""
+    return load_program(model.onnx_path, prepack=True)
+
+
+def assert_mlp_fused(fused: Run, unfused: Run, layers: int) -> None:
+    """Bitwise the same logits; a plan of <= 16 rows runs one fused call a layer, and the packed
+    gate/up product gets no arena bytes there; larger plans (the GEMM) fuse nothing."""
+    assert np.array_equal(fused.logits, unfused.logits)
+    assert len(fused.plans) == len(unfused.plans) >= 2
+    for on, off in zip(fused.plans, unfused.plans, strict=True):
+        counts, rows = op_counts(on), on.batch * on.seq
+        fused_calls = sum(n for op, n in counts.items() if op.endswith(FUSED_MLP))
+        assert off.mlp_fusions == [] and not any(op.endswith(FUSED_MLP) for op in op_counts(off))
+        if rows > 16:
+            assert on.mlp_fusions == [] and counts == op_counts(off)
+            continue
+        assert fused_calls == len(on.mlp_fusions) == layers
+        assert "SwiGLUPacked" not in counts
+        assert len(on.call_names) == len(off.call_names) - layers
+        packed = {on.values[f.matmul.outputs[0]].base for f in on.mlp_fusions}
+        assert packed.isdisjoint(on.offsets) and packed <= set(off.offsets)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[:3]], ids=["solo", "batch3"])
+@pytest.mark.parametrize("model_name", ["tiny_ep", "qwen_fp32", "qwen_bf16", "qwen_int4"])
+def test_swiglu_epilogue_is_the_unfused_bits(
+    request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str,
+    prompts: list[list[int]],
+) -> None:  # fmt: skip
+    model = (
+        request.getfixturevalue(model_name)
+        if model_name == "tiny_ep"
+        else qwen(model_name.split("_")[1])
+    )
+    program = _prepacked(model)
+    unfused = run(model, "seq_major", prompts, fuse=True, fuse_mlp=False, program=program)
+    fused = run(model, "seq_major", prompts, fuse=True, program=program)
+    assert_mlp_fused(fused, unfused, model.num_layers)
+
+
+def test_swiglu_epilogue_captured_and_with_streamed_weights(tiny_ep: DecoderModel) -> None:
+    """Captured; and with every weight streamed by the store (the fused call fetches its gate/up
+    weight like the MatMul it replaces)."""
+    program = _prepacked(tiny_ep)
+    unfused = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=True, fuse_mlp=False,
+                  program=program)  # fmt: skip
+    fused = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=True, program=program, capture=True)
+    assert_mlp_fused(fused, unfused, tiny_ep.num_layers)
+    streamed = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=True, program=program,
+                   offload=StreamPolicy())  # fmt: skip
+    assert_mlp_fused(streamed, unfused, tiny_ep.num_layers)
+    for plan in streamed.plans:
+        assert not any("gate_up" in name for name in plan.bound_weights)
+
+
+def _swiglu_nodes(program: Program) -> tuple[Node, Node]:
+    """Layer 0's gate/up MatMul and its SwiGLUPacked."""
+    act = _nodes(program, "SwiGLUPacked")[0]
+    matmul = next(n for n in program.nodes if act.inputs[0] in n.outputs)
+    return matmul, act
+
+
+def _assert_mlp_not_fused_in_layer_0(model: DecoderModel, program: Program) -> None:
+    unfused = run(model, "seq_major", PROMPTS[:1], fuse=True, fuse_mlp=False, program=program)
+    fused = run(model, "seq_major", PROMPTS[:1], fuse=True, program=program)
+    assert np.array_equal(fused.logits, unfused.logits)
+    layer0 = _swiglu_nodes(program)[0]
+    for plan in fused.plans:
+        assert [f.matmul.name for f in plan.mlp_fusions] == [
+            n.name for n in _nodes(program, "MatMul") if "gate_up" in n.name and n is not layer0
+        ]
+
+
+def test_packed_product_read_twice_is_not_fused(tiny_ep: DecoderModel) -> None:
+    program = _prepacked(tiny_ep)
+    _, act = _swiglu_nodes(program)
+    extra = Node(act.op, "extra/swiglu", act.inputs, ("extra/act",), dict(act.attrs))
+    _assert_mlp_not_fused_in_layer_0(tiny_ep, _insert_after(program, act, extra))
+
+
+def test_a_working_node_between_projection_and_swiglu_stops_it(tiny_ep: DecoderModel) -> None:
+    program = _prepacked(tiny_ep)
+    matmul, _ = _swiglu_nodes(program)
+    # reads the projection's input (not its product), but runs between the two nodes
+    q0 = _nodes(program, "RotaryTheta")[0]
+    extra = _extra_rotation(q0.inputs[0], q0)
+    _assert_mlp_not_fused_in_layer_0(tiny_ep, _insert_after(program, matmul, extra))
+
+
+def test_a_projection_that_would_not_run_the_split_k_gemv_is_not_fused(
+    qwen: Callable[[str], DecoderModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU of one SM the 4-bit gate/up weight (20 groups of 16 rows) alone would run the
+    streaming GEMV, whose sums the epilogue's split-K kernel does not reproduce: not fused."""
+    model = qwen("int4")
+    backend = NativeBackend(model, HeadMajorLayout())
+    assert len(backend._plan(1, 1).mlp_fusions) == model.num_layers
+    monkeypatch.setattr(matmul, "sm_count", lambda dev: 1)
+    assert backend._plan(2, 1).mlp_fusions == []
+    unfused = run(model, "seq_major", PROMPTS[:1], fuse=True, fuse_mlp=False)
+    assert np.array_equal(run(model, "seq_major", PROMPTS[:1], fuse=True).logits, unfused.logits)
+
+
+def test_unprepacked_weights_and_the_switch_keep_two_calls(
+    tiny_ep: DecoderModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[K, N] weights (the CPU device's own load) have no SwiGLU epilogue; nor does a plan made
+    with the switch off; a bad switch value is refused with the values it takes."""
+    assert NativeBackend(tiny_ep, HeadMajorLayout())._plan(1, 1).mlp_fusions == []
+    backend = NativeBackend(tiny_ep, HeadMajorLayout())
+    backend.program = _prepacked(tiny_ep)
+    assert len(backend._plan(1, 1).mlp_fusions) == tiny_ep.num_layers
+    monkeypatch.setenv(FUSE_MLP_ENV, "0")
+    assert backend._plan(2, 1).mlp_fusions == []
+    monkeypatch.setenv(FUSE_MLP_ENV, "on")
+    with pytest.raises(ConfigError, match=r"GENAI_EP_FUSE_MLP='on'; expected 0 .* or 1"):
+        backend._plan(3, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_name", ["qwen_bf16", "tiny_ep"])
+def test_cuda_swiglu_epilogue_is_the_unfused_bits(
+    request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str
+) -> None:
+    """On the GPU (the device prepacks): batched and captured, and solo."""
+    ok, reason = cuda_available()
+    if not ok:
+        pytest.skip(reason)
+    model = qwen("bf16") if model_name == "qwen_bf16" else request.getfixturevalue(model_name)
+    for prompts, capture in ((PROMPTS[:3], True), (PROMPTS[1:2], False)):
+        unfused = run(model, "seq_major_fixed", prompts, fuse=True, fuse_mlp=False, device="cuda")
+        fused = run(model, "seq_major_fixed", prompts, fuse=True, device="cuda", capture=capture)
+        assert_mlp_fused(fused, unfused, model.num_layers)
