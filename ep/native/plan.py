@@ -59,8 +59,8 @@ from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "KVBinding", "StepPlan", "WeightRead",
-           "early_enabled", "fuse_enabled", "fuse_mlp_enabled", "split_specs",
+__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "SWIGLU_MIN_ROWS", "KVBinding", "StepPlan",
+           "WeightRead", "early_enabled", "fuse_enabled", "fuse_mlp_enabled", "split_specs",
            "weight_reads"]  # fmt: skip
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
@@ -70,6 +70,13 @@ _KERNEL_INPUTS = {"KVCommit": 3, "KVCommitPaged": 3, "KVAttention": 3, "KVAttent
 _COMMITS = ("KVCommit", "KVCommitPaged")
 FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), for A/B runs
 FUSE_MLP_ENV = "GENAI_EP_FUSE_MLP"  # 0: no SwiGLU epilogue in the gate/up GEMV (A/B runs)
+# Rows (batch x seq) from which a plan runs the gate/up GEMV with a SwiGLU epilogue. Both forms
+# store the same bits, so the choice may depend on M. Measured on the H200 (Qwen2.5-0.5B shape,
+# bf16, captured decode graph, ms a step, fused / GEMV then SwiGLUPacked, medians of 100 replays,
+# two interleaved runs each): batch 1 0.805 / 0.796, 2 0.843 / 0.829, 4 0.843 / 0.853,
+# 8 0.880 / 0.898, 16 0.957 / 0.985. Below 4 rows the separate SwiGLU kernel costs less than the
+# epilogue it replaces (its time overlaps the GEMVs around it).
+SWIGLU_MIN_ROWS = 4
 EARLY_ENV = "GENAI_EP_EARLY"  # 0: GEMVs never load resident weights before their PDL wait (A/B)
 
 
@@ -841,7 +848,8 @@ class StepPlan:
         GEMV with a SwiGLU epilogue where that is bitwise the two calls: the SwiGLUPacked is the
         next working node, the projection is a whole (not pieced) [N, K] or 4-bit weight with
         N % 16 == 0, and at this plan's M the projection alone would run the split-K GEMV (the
-        epilogue's kernel has its K split; a v2, streaming or GEMM plan is left unfused)."""
+        epilogue's kernel has its K split; a v2, streaming or GEMM plan is left unfused), and the
+        plan has at least `SWIGLU_MIN_ROWS` rows."""
         from ep.kernels import matmul
 
         nodes, values = self.program.nodes, self.values
@@ -887,7 +895,7 @@ class StepPlan:
                 if int(a["bits"]) != 4 or any(self._split(w) is not None for w in weights):
                     continue
             n, m = int(a["N"]), x.size // k
-            if n % 16 or m > matmul.GEMV_MAX_ROWS:
+            if n % 16 or not SWIGLU_MIN_ROWS <= m <= matmul.GEMV_MAX_ROWS:
                 continue
             plain = matmul.plan_matmul(
                 fmt, x.dtype, M=m, N=n, K=k, block_size=block, workspace=self.matmul_workspace,

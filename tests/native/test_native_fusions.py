@@ -13,8 +13,9 @@ rotations that differ, and the rotated k as the graph's output each keep that la
 
 SwiGLU epilogue (``GENAI_EP_FUSE_MLP=0`` against the default, on weights prepacked to [N, K] as
 the CUDA device loads them; the CPU device runs them through the kernels' NumPy twins): every
-decode plan runs each layer's gate/up projection and its SwiGLUPacked as one call whose packed
-product gets no arena bytes, bitwise; a prefill of more than 16 rows (the GEMM) keeps two calls.
+plan of `SWIGLU_MIN_ROWS`..16 rows runs each layer's gate/up projection and its SwiGLUPacked as
+one call whose packed product gets no arena bytes, bitwise; fewer rows, and a prefill of more
+than 16 (the GEMM), keep two calls.
 Negative oracles: a second reader of the packed product and a working node between the two.
 """
 
@@ -34,7 +35,7 @@ from ep.errors import ConfigError
 from ep.kernels import matmul
 from ep.model import DecoderModel, load_model
 from ep.native import NativeBackend, as_ep_model
-from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, StepPlan
+from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, SWIGLU_MIN_ROWS, StepPlan
 from ep.native.program import Node, Program, load_program
 from ep.seams import KVLayout
 from ep_builtin.capture_warmup import WarmupCapture
@@ -361,16 +362,22 @@ def _prepacked(model: DecoderModel) -> Program:
     return load_program(model.onnx_path, prepack=True)
 
 
+def _fuses_mlp(plan: StepPlan) -> bool:
+    """Whether a plan of these rows runs the SwiGLU epilogue (the GEMV's rows, from the
+    threshold up)."""
+    return SWIGLU_MIN_ROWS <= plan.batch * plan.seq <= 16
+
+
 def assert_mlp_fused(fused: Run, unfused: Run, layers: int) -> None:
-    """Bitwise the same logits; a plan of <= 16 rows runs one fused call a layer, and the packed
-    gate/up product gets no arena bytes there; larger plans (the GEMM) fuse nothing."""
+    """Bitwise the same logits; a plan of `SWIGLU_MIN_ROWS`..16 rows runs one fused call a layer,
+    and the packed gate/up product gets no arena bytes there; other plans fuse nothing."""
     assert np.array_equal(fused.logits, unfused.logits)
     assert len(fused.plans) == len(unfused.plans) >= 2
     for on, off in zip(fused.plans, unfused.plans, strict=True):
-        counts, rows = op_counts(on), on.batch * on.seq
+        counts = op_counts(on)
         fused_calls = sum(n for op, n in counts.items() if op.endswith(FUSED_MLP))
         assert off.mlp_fusions == [] and not any(op.endswith(FUSED_MLP) for op in op_counts(off))
-        if rows > 16:
+        if not _fuses_mlp(on):
             assert on.mlp_fusions == [] and counts == op_counts(off)
             continue
         assert fused_calls == len(on.mlp_fusions) == layers
@@ -380,7 +387,7 @@ def assert_mlp_fused(fused: Run, unfused: Run, layers: int) -> None:
         assert packed.isdisjoint(on.offsets) and packed <= set(off.offsets)
 
 
-@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS[:3]], ids=["solo", "batch3"])
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["solo", "batch4"])
 @pytest.mark.parametrize("model_name", ["tiny_ep", "qwen_fp32", "qwen_bf16", "qwen_int4"])
 def test_swiglu_epilogue_is_the_unfused_bits(
     request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str,
@@ -391,21 +398,23 @@ def test_swiglu_epilogue_is_the_unfused_bits(
         if model_name == "tiny_ep"
         else qwen(model_name.split("_")[1])
     )
+    """Solo: the 12-row prefill fuses, the 1-row decode does not; four prompts: the decode."""
     program = _prepacked(model)
     unfused = run(model, "seq_major", prompts, fuse=True, fuse_mlp=False, program=program)
     fused = run(model, "seq_major", prompts, fuse=True, program=program)
     assert_mlp_fused(fused, unfused, model.num_layers)
+    assert sum(map(_fuses_mlp, fused.plans)) == 1
 
 
 def test_swiglu_epilogue_captured_and_with_streamed_weights(tiny_ep: DecoderModel) -> None:
     """Captured; and with every weight streamed by the store (the fused call fetches its gate/up
     weight like the MatMul it replaces)."""
     program = _prepacked(tiny_ep)
-    unfused = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=True, fuse_mlp=False,
+    unfused = run(tiny_ep, "seq_major_fixed", PROMPTS, fuse=True, fuse_mlp=False,
                   program=program)  # fmt: skip
-    fused = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=True, program=program, capture=True)
+    fused = run(tiny_ep, "seq_major_fixed", PROMPTS, fuse=True, program=program, capture=True)
     assert_mlp_fused(fused, unfused, tiny_ep.num_layers)
-    streamed = run(tiny_ep, "seq_major_fixed", PROMPTS[:3], fuse=True, program=program,
+    streamed = run(tiny_ep, "seq_major_fixed", PROMPTS, fuse=True, program=program,
                    offload=StreamPolicy())  # fmt: skip
     assert_mlp_fused(streamed, unfused, tiny_ep.num_layers)
     for plan in streamed.plans:
@@ -420,14 +429,16 @@ def _swiglu_nodes(program: Program) -> tuple[Node, Node]:
 
 
 def _assert_mlp_not_fused_in_layer_0(model: DecoderModel, program: Program) -> None:
+    """Layer 0 runs unfused (still right); layer 1 fuses (the 12-row prefill of a solo prompt)."""
     unfused = run(model, "seq_major", PROMPTS[:1], fuse=True, fuse_mlp=False, program=program)
     fused = run(model, "seq_major", PROMPTS[:1], fuse=True, program=program)
     assert np.array_equal(fused.logits, unfused.logits)
     layer0 = _swiglu_nodes(program)[0]
-    for plan in fused.plans:
-        assert [f.matmul.name for f in plan.mlp_fusions] == [
-            n.name for n in _nodes(program, "MatMul") if "gate_up" in n.name and n is not layer0
-        ]
+    prefill = fused.plans[0]
+    assert _fuses_mlp(prefill)
+    assert [f.matmul.name for f in prefill.mlp_fusions] == [
+        n.name for n in _nodes(program, "MatMul") if "gate_up" in n.name and n is not layer0
+    ]
 
 
 def test_packed_product_read_twice_is_not_fused(tiny_ep: DecoderModel) -> None:
@@ -453,11 +464,11 @@ def test_a_projection_that_would_not_run_the_split_k_gemv_is_not_fused(
     streaming GEMV, whose sums the epilogue's split-K kernel does not reproduce: not fused."""
     model = qwen("int4")
     backend = NativeBackend(model, HeadMajorLayout())
-    assert len(backend._plan(1, 1).mlp_fusions) == model.num_layers
+    assert len(backend._plan(4, 1).mlp_fusions) == model.num_layers
     monkeypatch.setattr(matmul, "sm_count", lambda dev: 1)
-    assert backend._plan(2, 1).mlp_fusions == []
-    unfused = run(model, "seq_major", PROMPTS[:1], fuse=True, fuse_mlp=False)
-    assert np.array_equal(run(model, "seq_major", PROMPTS[:1], fuse=True).logits, unfused.logits)
+    assert backend._plan(5, 1).mlp_fusions == []
+    unfused = run(model, "seq_major", PROMPTS, fuse=True, fuse_mlp=False)
+    assert np.array_equal(run(model, "seq_major", PROMPTS, fuse=True).logits, unfused.logits)
 
 
 def test_unprepacked_weights_and_the_switch_keep_two_calls(
@@ -465,15 +476,16 @@ def test_unprepacked_weights_and_the_switch_keep_two_calls(
 ) -> None:
     """[K, N] weights (the CPU device's own load) have no SwiGLU epilogue; nor does a plan made
     with the switch off; a bad switch value is refused with the values it takes."""
-    assert NativeBackend(tiny_ep, HeadMajorLayout())._plan(1, 1).mlp_fusions == []
+    assert NativeBackend(tiny_ep, HeadMajorLayout())._plan(4, 1).mlp_fusions == []
     backend = NativeBackend(tiny_ep, HeadMajorLayout())
     backend.program = _prepacked(tiny_ep)
-    assert len(backend._plan(1, 1).mlp_fusions) == tiny_ep.num_layers
+    assert len(backend._plan(4, 1).mlp_fusions) == tiny_ep.num_layers
+    assert backend._plan(SWIGLU_MIN_ROWS - 1, 1).mlp_fusions == []  # fewer rows: two calls
     monkeypatch.setenv(FUSE_MLP_ENV, "0")
-    assert backend._plan(2, 1).mlp_fusions == []
+    assert backend._plan(5, 1).mlp_fusions == []
     monkeypatch.setenv(FUSE_MLP_ENV, "on")
     with pytest.raises(ConfigError, match=r"GENAI_EP_FUSE_MLP='on'; expected 0 .* or 1"):
-        backend._plan(3, 1)
+        backend._plan(6, 1)
 
 
 @pytest.mark.cuda
@@ -481,12 +493,13 @@ def test_unprepacked_weights_and_the_switch_keep_two_calls(
 def test_cuda_swiglu_epilogue_is_the_unfused_bits(
     request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str
 ) -> None:
-    """On the GPU (the device prepacks): batched and captured, and solo."""
+    """On the GPU (the device prepacks): four prompts captured (the decode fuses), and solo (the
+    prefill fuses)."""
     ok, reason = cuda_available()
     if not ok:
         pytest.skip(reason)
     model = qwen("bf16") if model_name == "qwen_bf16" else request.getfixturevalue(model_name)
-    for prompts, capture in ((PROMPTS[:3], True), (PROMPTS[1:2], False)):
+    for prompts, capture in ((PROMPTS, True), (PROMPTS[1:2], False)):
         unfused = run(model, "seq_major_fixed", prompts, fuse=True, fuse_mlp=False, device="cuda")
         fused = run(model, "seq_major_fixed", prompts, fuse=True, device="cuda", capture=capture)
         assert_mlp_fused(fused, unfused, model.num_layers)
