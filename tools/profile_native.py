@@ -10,7 +10,12 @@ capture policy, then
   the same way: the device time of those kernels back to back, launch gaps included; the sum
   over op types comes close to the whole graph's time;
 - **step**: ``backend.step`` wall-clock (logits on the host) and ``backend.steps(k)`` per step
-  (the device token loop, one synchronisation per ``k`` steps).
+  (the device token loop, one synchronisation per ``k`` steps);
+- **without** (``--ablate``): the step's calls minus one op type's, captured and replayed the
+  same way. The graph's time minus that is the op type's share of the critical path: what
+  removing (or perfectly fusing) its calls could save, which with programmatic dependent launch
+  can be far less than the calls' own time. The numbers such a graph computes are meaningless
+  (its device faults are not checked); only its time is.
 
     python3 tools/profile_native.py --out DIR      # on the H200: DIR/profile_native.json
 
@@ -25,6 +30,7 @@ PDL wait): ``GENAI_EP_EARLY=0`` (``early``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -43,8 +49,27 @@ for _path in (ROOT, ROOT / "plugins", ROOT / "graphs", ROOT / "tools"):
 from _bench import machine_info  # noqa: E402
 from bench_native import QWEN_SPEC, build_or_reuse, make_prompts, model_spec  # noqa: E402
 
+from ep.errors import KernelFaultError  # noqa: E402
+
 COMMITS = ("KVCommit", "KVCommitPaged", "QKVRotaryCommit")
 ATTENTIONS = ("KVAttention", "KVAttentionPaged")
+
+
+def _replay_us(dev: Any, stream: Any, calls: list[Any], reps: int) -> float:
+    """Device µs of one replay of ``calls`` captured as a graph, replayed ``reps`` times."""
+    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
+    with dev.capture(stream=stream) as cap:
+        for call in calls:
+            call()
+    graph = cap.graph
+    graph.launch(stream=stream)
+    stream.record(start)
+    for _ in range(reps):
+        graph.launch(stream=stream)
+    stream.record(end)
+    end.sync()
+    graph.close()
+    return end.elapsed_ms(start) / reps * 1e3
 
 
 def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, Any]:
@@ -92,20 +117,9 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
         by_type.pop(op, None)
     ops: dict[str, dict[str, float]] = {}
     for op, group in by_type.items():
-        with dev.capture(stream=stream) as cap:
-            for call in group:
-                call()
-        graph = cap.graph
-        graph.launch(stream=stream)
-        stream.record(start)
-        for _ in range(s.reps):
-            graph.launch(stream=stream)
-        stream.record(end)
-        end.sync()
-        total = end.elapsed_ms(start) / s.reps * 1e3
+        total = _replay_us(dev, stream, group, s.reps)
         n = len(group) // 2 if op in paired else len(group)
         ops[op] = {"calls": n, "total_us": total, "per_call_us": total / n}
-        graph.close()
         backend._check_faults()
     ops = dict(sorted(ops.items(), key=lambda kv: -kv[1]["total_us"]))
 
@@ -122,6 +136,18 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
         out = backend.steps(out_last := tokens.astype(np.int64), s.loop)
         loop_ms = (time.perf_counter() - t0) * 1e3 / s.loop
         del out, out_last
+    # Last: the graphs below compute garbage (and may flag faults, cleared here).
+    without: dict[str, float] = {}
+    if s.ablate:  # the step without one op type's calls (what they compute no longer matters)
+        whole = _replay_us(dev, stream, calls, s.reps)
+        types = [name.split(":")[0] for name in names]
+        for op in dict.fromkeys(types):
+            kept = [call for call, t in zip(calls, types, strict=True) if t != op]
+            without[op] = whole - _replay_us(dev, stream, kept, s.reps)
+            with contextlib.suppress(KernelFaultError):
+                backend._check_faults()
+        without = dict(sorted(without.items(), key=lambda kv: -kv[1]))
+        without["(whole step)"] = whole
     return {
         "batch": batch,
         "graph_ms": graph_ms,
@@ -134,6 +160,7 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
         "step_wall_ms": statistics.median(walls),
         "loop_ms_per_step": loop_ms,
         "ops": ops,
+        "critical_us": without,  # --ablate: graph µs minus the graph without that op type
     }
 
 
@@ -148,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/genai-ep-bench")
     p.add_argument("--out", default=None)
     p.add_argument("--device", default="cuda", help="cpu: a smoke test with a small --spec")
+    p.add_argument(
+        "--ablate", action="store_true", help="also time the step without each op type's calls"
+    )
     s = p.parse_args(argv)
 
     from ep.model import load_model
@@ -183,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         for op, v in r["ops"].items():
             print(f"  {op:16s} {v['calls']:4d} calls  {v['total_us']:9.1f} us  "
                   f"{v['per_call_us']:7.2f} us a call")  # fmt: skip
+        if r["critical_us"]:
+            print("  without each op type's calls, the step is shorter by (us):")
+            for op, us in r["critical_us"].items():
+                print(f"    {op:28s} {us:8.1f}")
     if s.out:
         out = Path(s.out)
         out.mkdir(parents=True, exist_ok=True)

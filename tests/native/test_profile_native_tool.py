@@ -32,3 +32,16 @@ def test_every_op_type_is_profiled_and_attention_pairs_counted_once(
         "SwiGLUPacked": 2, "Gather": 1, "RMSNorm": 1,
     }  # fmt: skip
     assert sum(calls.values()) - calls["QKVRotaryCommit+KVAttention"] + 2 == result["calls"]
+
+
+def test_ablation_times_the_step_without_each_op_type(tool: ModuleType, tmp_path: Path) -> None:
+    argv = ["--device", "cpu", "--spec", SMALL, "--batch", "1", "--reps", "1", "--loop", "0"]
+    assert tool.main([*argv, "--context", "64", "--work", str(tmp_path), "--out", str(tmp_path),
+                      "--ablate"]) == 0  # fmt: skip
+    result = json.loads((tmp_path / "profile_native.json").read_text())["results"][0]
+    ablated = result["critical_us"]
+    assert set(ablated) == {
+        "(whole step)", "Gather", "RMSNorm", "MatMul", "QKVRotaryCommit", "KVAttention",
+        "SkipRMSNorm", "SwiGLUPacked",
+    }  # fmt: skip
+    assert ablated["(whole step)"] > 0
