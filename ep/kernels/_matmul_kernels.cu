@@ -53,6 +53,32 @@ __device__ __forceinline__ uint4 ld_cached(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
 
+// 16 bytes at p when ok, else zeros, as one predicated load (no branch); volatile so the
+// compiler keeps the program order (the dense GEMV v2 ring issues each refill right after its
+// MMAs). `LD` is the PTX load: `ld_stream_if` reads weights once (.nc, no L1 allocation).
+#define EPK_LD_IF(NAME, LD)                                                                   \
+  __device__ __forceinline__ uint4 NAME(const void* p, bool ok) {                              \
+    uint4 v;                                                                                   \
+    asm volatile(                                                                              \
+        "{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"                                  \
+        "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"         \
+        "@q " LD ".v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"                                        \
+        : "=&r"(v.x), "=&r"(v.y), "=&r"(v.z), "=&r"(v.w)                                       \
+        : "l"(p), "r"((int)ok));                                                               \
+    return v;                                                                                  \
+  }
+EPK_LD_IF(ld_stream_if, "ld.global.nc.L1::no_allocate")
+// The split-K GEMV's FULL path loads with coherent loads: ptxas moves .nc loads across
+// griddepcontrol.wait (it sank the early weight loads below it, seen in the sm_90 SASS), and an
+// activation must not be read before the wait; coherent loads keep their place around it.
+EPK_LD_IF(ld_weight_if, "ld.global.L1::no_allocate")
+EPK_LD_IF(ld_act_if, "ld.global")
+#undef EPK_LD_IF
+
+// log2 of a split-K GEMV's warps per K split (kw: 1, 2, 4 or 8, a power of two), so that the
+// block's group and slice of a warp are shifts, not integer divisions.
+__device__ __forceinline__ int log2_kw(int kw) { return 31 - __clz(kw); }
+
 // Programmatic dependent launch (ep/device/_kernels.py): the split-K GEMVs are compiled with
 // pdl_wait = "kernel" and wait for the previous kernel of their stream themselves. With
 // EPK_EARLY (resident weights, which nothing in the stream writes) each thread issues its first
@@ -316,6 +342,15 @@ struct DenseRows {  // W [N, K]
     return r;
   }
   __device__ static Raw none() { return Raw{zero4(), zero4()}; }
+  // `load` when every step's chunks are in range and 16-byte aligned (the GEMV's FULL path:
+  // EPK_W16 and K % 32 == 0): predicated loads, no bounds checks; zeros when !ok.
+  __device__ Raw load_full(int n, int i, int t, bool ok) const {
+    const T* at = w + (size_t)n * (size_t)K + unit_k(i, t, 0);
+    Raw r;
+    r.a = ld_weight_if(at, ok);
+    r.b = sizeof(T) == 4 ? ld_weight_if(at + 4, ok) : zero4();
+    return r;
+  }
   __device__ void pairs(const Raw& r, int, u32 (&p)[4]) const {
     p[0] = r.a.x;
     p[1] = r.a.y;
@@ -502,15 +537,18 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
                                             const C& oc) {
   __shared__ u32 s_last;
   __syncthreads();
-  const int cols = (8 / kw) * COLS;
+  constexpr int LC = COLS == 8 ? 3 : (COLS == 16 ? 4 : 6);  // log2(COLS)
+  static_assert((1 << LC) == COLS, "COLS is 8, 16 or 64");
+  const int lc = 3 - log2_kw(kw) + LC;  // log2(cols): the block's output columns
+  const int cols = 1 << lc;
   const int nb = blockIdx.x * cols;
   const int total = M * cols;
   if constexpr (C::kPairs) {
     if (gy == 1) {
       constexpr int H = COLS / 2;
       for (int e = threadIdx.x; e < total / 2; e += blockDim.x) {
-        const int m = e / (cols / 2), pl = e - m * (cols / 2);
-        const int grp = pl / H, col = pl - grp * H;
+        const int m = e >> (lc - 1), pl = e & (cols / 2 - 1);
+        const int grp = pl >> (LC - 1), col = pl & (H - 1);
         const int n = nb + grp * COLS + col;  // the gate column; up is n + H
         if (!oc.ok(n)) continue;
         float sg = 0.0f, su = 0.0f;
@@ -522,8 +560,8 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
     }
   }
   for (int e = threadIdx.x; e < total; e += blockDim.x) {
-    const int m = e / cols, cl = e - m * cols;
-    const int grp = cl / COLS, col = cl - grp * COLS;
+    const int m = e >> lc, cl = e & (cols - 1);
+    const int grp = cl >> LC, col = cl & (COLS - 1);
     const int n = nb + cl;
     if (!oc.ok(n)) continue;
     float s = 0.0f;
@@ -544,8 +582,8 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
   if constexpr (C::kPairs) {
     constexpr int H = COLS / 2;
     for (int e = threadIdx.x; e < total / 2; e += blockDim.x) {
-      const int m = e / (cols / 2), pl = e - m * (cols / 2);
-      const int n = nb + (pl / H) * COLS + pl % H;
+      const int m = e >> (lc - 1), pl = e & (cols / 2 - 1);
+      const int n = nb + (pl >> (LC - 1)) * COLS + (pl & (H - 1));
       if (!oc.ok(n)) continue;
       float sg = 0.0f, su = 0.0f;
       for (int b = 0; b < gy; ++b) sg += __ldcg(&ws[((size_t)b * M + m) * N + n]);
@@ -554,7 +592,7 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
     }
   } else {
     for (int e = threadIdx.x; e < total; e += blockDim.x) {
-      const int m = e / cols, cl = e - m * cols;
+      const int m = e >> lc, cl = e & (cols - 1);
       const int n = nb + cl;
       if (n >= N) continue;
       float s = 0.0f;
@@ -575,15 +613,22 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
 // fp32 path: each lane multiplies its 8 weights with the 8 x of every row m, then the 4 lanes of
 // a row are added with two shuffles.
 
-template <typename T, class P, int U, class C>
+//
+// FULL (dense weights only: `DenseRows::load_full`): weights and x 16-byte aligned and K % 32 ==
+// 0, so no chunk of a step is partial: every load is one predicated instruction (no bounds
+// checks, no branches around them), and at M <= 8 the x chunks of a round are loaded at once;
+// TWO (FULL only): M > 8. The loaded bytes, and so the arithmetic, are the general path's.
+
+template <typename T, class P, int U, bool FULL, bool TWO, class C>
 __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T* __restrict__ x,
                                          float* ws, u32* counters, int M, int N, int K, int kw,
                                          int gy, u32 flags, const C& oc) {
   __shared__ float red[8][16][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int group = blockIdx.x * (8 / kw) + warp / kw;
-  const int slice = blockIdx.y * kw + warp % kw;
+  const int ks = log2_kw(kw);
+  const int group = (blockIdx.x << (3 - ks)) + (warp >> ks);
+  const int slice = blockIdx.y * kw + (warp & (kw - 1));
   const int slices = gy * kw;
   const int n = group * 8 + g;
   const bool row_ok = oc.ok(n);
@@ -601,7 +646,11 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
-        raw[u] = (row_ok && i < steps) ? wp.load(wrow, i, t) : P::none();
+        if constexpr (FULL) {
+          raw[u] = wp.load_full(wrow, i, t, row_ok && i < steps);
+        } else {
+          raw[u] = (row_ok && i < steps) ? wp.load(wrow, i, t) : P::none();
+        }
       }
       ready();
 #pragma unroll
@@ -650,15 +699,33 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
     const T* xa = x + (size_t)g * K;
     const T* xb = x + (size_t)(g + 8) * K;
     const bool a_ok = g < M, b_ok = g + 8 < M;
-    const bool two = M > 8;  // the same for every lane: rows 8..15 are all padding otherwise
+    // the same for every lane: rows 8..15 are all padding otherwise (FULL: known at compile time)
+    const bool two = FULL ? TWO : M > 8;
     for (int i0 = slice; i0 < steps; i0 += U * slices) {
       Raw raw[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
-        raw[u] = (row_ok && i < steps) ? wp.load(wrow, i, t) : P::none();
+        if constexpr (FULL) {
+          raw[u] = wp.load_full(wrow, i, t, row_ok && i < steps);
+        } else {
+          raw[u] = (row_ok && i < steps) ? wp.load(wrow, i, t) : P::none();
+        }
       }
       ready();
+      // FULL: the x chunks of all U steps are loaded before the first MMA (one round trip to
+      // L2 for the activations the previous kernel wrote, not one a step).
+      // (M > 8 loads x rows g + 8 too, a step at a time: U more chunks would cost registers.)
+      constexpr bool AHEAD = FULL && !TWO;
+      uint4 xs[AHEAD ? U : 1];
+      if constexpr (AHEAD) {
+        static_assert(P::kUnits == 1, "FULL: dense rows, one unit a step");
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int i = i0 + u * slices;
+          xs[u] = ld_act_if(xa + wp.unit_k(i, t, 0), a_ok && i < steps);
+        }
+      }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int i = i0 + u * slices;
@@ -666,10 +733,19 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
         uint4 a[P::kUnits], b[P::kUnits];
 #pragma unroll
         for (int v = 0; v < P::kUnits; ++v) {
-          const int kk = wp.unit_k(i, t, v);
-          a[v] = a_ok ? load_chunk<T>(xa, kk, K, xv, false) : zero4();
-          b[v] = zero4();
-          if (two && b_ok) b[v] = load_chunk<T>(xb, kk, K, xv, false);
+          if constexpr (AHEAD) {
+            a[v] = xs[u];
+            b[v] = zero4();
+          } else if constexpr (FULL) {
+            const int kk = wp.unit_k(i, t, v);
+            a[v] = ld_act_if(xa + kk, a_ok);
+            b[v] = ld_act_if(xb + kk, b_ok);
+          } else {
+            const int kk = wp.unit_k(i, t, v);
+            a[v] = a_ok ? load_chunk<T>(xa, kk, K, xv, false) : zero4();
+            b[v] = zero4();
+            if (two && b_ok) b[v] = load_chunk<T>(xb, kk, K, xv, false);
+          }
         }
 #pragma unroll
         for (int v = 0; v < P::kUnits; ++v) {
@@ -768,8 +844,9 @@ __device__ __forceinline__ void row_gemv_wt(const P& wp, T* __restrict__ y,
   __shared__ float red[8][16][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int group = blockIdx.x * (8 / kw) + warp / kw;
-  const int slice = blockIdx.y * kw + warp % kw;
+  const int ks = log2_kw(kw);
+  const int group = (blockIdx.x << (3 - ks)) + (warp >> ks);
+  const int slice = blockIdx.y * kw + (warp & (kw - 1));
   const int slices = gy * kw;
   const int n_lo = group * 16 + g;
   const bool xv = (flags & EPK_X16) != 0;
@@ -811,8 +888,9 @@ __device__ __forceinline__ void col_gemv(T* __restrict__ y, const T* __restrict_
                                          int N, int K, int kw, int gy, u32 flags) {
   __shared__ float red[8][16][64];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int group = blockIdx.x * (8 / kw) + warp / kw;
-  const int slice = blockIdx.y * kw + warp % kw;
+  const int ks = log2_kw(kw);
+  const int group = (blockIdx.x << (3 - ks)) + (warp >> ks);
+  const int slice = blockIdx.y * kw + (warp & (kw - 1));
   const int slices = gy * kw;
   const int nbase = group * 64;
   const bool wv = (flags & EPK_W16) != 0;
@@ -1795,19 +1873,6 @@ __device__ __forceinline__ Mx4Stream<T> mx4_stream(const u8* b, const u8* scales
 // else ep_gemv_nk); x may have any alignment (staged element-wise then).
 
 constexpr int V2_SLOTS = 8;  // weight loads in flight a lane
-
-// 16 bytes at p when ok, else zeros; the load is predicated in PTX (no branch), volatile so the
-// compiler keeps the ring's program order (issue right after the slot's MMAs).
-__device__ __forceinline__ uint4 ld_stream_if(const void* p, bool ok) {
-  uint4 v;
-  asm volatile(
-      "{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %5, 0;\n\t"
-      "mov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\tmov.b32 %2, 0;\n\tmov.b32 %3, 0;\n\t"
-      "@q ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n\t}"
-      : "=&r"(v.x), "=&r"(v.y), "=&r"(v.z), "=&r"(v.w)
-      : "l"(p), "r"((int)ok));
-  return v;
-}
 
 template <typename T>
 __device__ __forceinline__ void nk_ring_gemv(T* __restrict__ y, const T* __restrict__ x,

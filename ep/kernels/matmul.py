@@ -246,11 +246,21 @@ def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool, swiglu: bool = Fal
             f"const epk::SwigluCols<{8 if body == 'row_gemv' else 16}> oc{{inter, "
             "interleaved ? 2 : 1, interleaved ? 1 : inter};"
         )
+    args = "(p, y, x, ws, counters, M, N, K, kw, gy, flags, oc);"
+    if fmt == "nk":  # aligned rows and K % 32 == 0: the branch-free FULL loads (the .cu)
+        call = (
+            "if ((flags & EPK_W16) && (flags & EPK_X16) && (K & 31) == 0) {\n"
+            f"    if (M > 8) epk::row_gemv<T, {ptype}, {unroll}, true, true>{args}\n"
+            f"    else epk::row_gemv<T, {ptype}, {unroll}, true, false>{args}\n  }} else {{\n"
+            f"    epk::row_gemv<T, {ptype}, {unroll}, false, false>{args}\n  }}"
+        )
+    elif body == "row_gemv":
+        call = f"epk::row_gemv<T, {ptype}, {unroll}, false, false>{args}"
+    else:
+        call = f"epk::row_gemv_wt<T, {ptype}, {unroll}>{args}"
     return (
         f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
-        f"u32 flags{extra}) {{\n  {policy}\n  {cols}\n"
-        f"  epk::{body}<T, {ptype}, {unroll}>(p, y, x, ws, counters, M, N, K, kw, gy, flags, oc);"
-        "\n}\n"
+        f"u32 flags{extra}) {{\n  {policy}\n  {cols}\n  {call}\n}}\n"
     )
 
 
