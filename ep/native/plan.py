@@ -72,11 +72,12 @@ FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), f
 FUSE_MLP_ENV = "GENAI_EP_FUSE_MLP"  # 0: no SwiGLU epilogue in the gate/up GEMV (A/B runs)
 # Rows (batch x seq) from which a plan runs the gate/up GEMV with a SwiGLU epilogue. Both forms
 # store the same bits, so the choice may depend on M. Measured on the H200 (Qwen2.5-0.5B shape,
-# bf16, captured decode graph, ms a step, fused / GEMV then SwiGLUPacked, medians of 100 replays,
-# two interleaved runs each): batch 1 0.805 / 0.796, 2 0.843 / 0.829, 4 0.843 / 0.853,
-# 8 0.880 / 0.898, 16 0.957 / 0.985. Below 4 rows the separate SwiGLU kernel costs less than the
-# epilogue it replaces (its time overlaps the GEMVs around it).
-SWIGLU_MIN_ROWS = 4
+# bf16, captured decode graph, ms a step, fused / GEMV then SwiGLUPacked, medians of 100
+# replays, two interleaved runs each), with the lean split-K GEMV (FULL path): batch 1
+# 0.744 / 0.744, 2 0.764 / 0.764, 4 0.766 / 0.758, 8 0.785 / 0.794, 16 0.932 / 0.935. Below 8
+# rows the separate SwiGLU kernel costs no more than the epilogue (its time overlaps the GEMVs
+# around it). (Before that GEMV: 1 0.805 / 0.796, 4 0.843 / 0.853, 16 0.957 / 0.985.)
+SWIGLU_MIN_ROWS = 8
 EARLY_ENV = "GENAI_EP_EARLY"  # 0: GEMVs never load resident weights before their PDL wait (A/B)
 
 

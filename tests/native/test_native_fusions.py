@@ -13,9 +13,10 @@ rotations that differ, and the rotated k as the graph's output each keep that la
 
 SwiGLU epilogue (``GENAI_EP_FUSE_MLP=0`` against the default, on weights prepacked to [N, K] as
 the CUDA device loads them; the CPU device runs them through the kernels' NumPy twins): every
-plan of `SWIGLU_MIN_ROWS`..16 rows runs each layer's gate/up projection and its SwiGLUPacked as
-one call whose packed product gets no arena bytes, bitwise; fewer rows, and a prefill of more
-than 16 (the GEMM), keep two calls.
+plan of up to 16 rows (`run` lowers the plan's speed threshold, `SWIGLU_MIN_ROWS`, to 1) runs
+each layer's gate/up projection and its SwiGLUPacked as one call whose packed product gets no
+arena bytes, bitwise; a prefill of more than 16 (the GEMM) keeps two calls, and so does a plan
+below the threshold.
 Negative oracles: a second reader of the packed product and a working node between the two.
 """
 
@@ -35,6 +36,7 @@ from ep.errors import ConfigError
 from ep.kernels import matmul
 from ep.model import DecoderModel, load_model
 from ep.native import NativeBackend, as_ep_model
+from ep.native import plan as plan_module
 from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, SWIGLU_MIN_ROWS, StepPlan
 from ep.native.program import Node, Program, load_program
 from ep.seams import KVLayout
@@ -117,6 +119,7 @@ def run(
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FUSE_ENV, "1" if fuse else "0")
         mp.setenv(FUSE_MLP_ENV, "1" if fuse_mlp else "0")
+        mp.setattr(plan_module, "SWIGLU_MIN_ROWS", 1)  # the epilogue at every GEMV plan
         backend = NativeBackend(
             model, LAYOUTS[layout](), capture=WarmupCapture(steps=1) if capture else None,
             offload=offload, budget="100%" if offload is not None else None, device=device,
@@ -363,14 +366,13 @@ def _prepacked(model: DecoderModel) -> Program:
 
 
 def _fuses_mlp(plan: StepPlan) -> bool:
-    """Whether a plan of these rows runs the SwiGLU epilogue (the GEMV's rows, from the
-    threshold up)."""
-    return SWIGLU_MIN_ROWS <= plan.batch * plan.seq <= 16
+    """Whether a plan of these rows runs the SwiGLU epilogue in `run` (the GEMV's rows)."""
+    return plan.batch * plan.seq <= 16
 
 
 def assert_mlp_fused(fused: Run, unfused: Run, layers: int) -> None:
-    """Bitwise the same logits; a plan of `SWIGLU_MIN_ROWS`..16 rows runs one fused call a layer,
-    and the packed gate/up product gets no arena bytes there; other plans fuse nothing."""
+    """Bitwise the same logits; a plan of up to 16 rows runs one fused call a layer, and the
+    packed gate/up product gets no arena bytes there; larger plans fuse nothing."""
     assert np.array_equal(fused.logits, unfused.logits)
     assert len(fused.plans) == len(unfused.plans) >= 2
     for on, off in zip(fused.plans, unfused.plans, strict=True):
@@ -398,12 +400,12 @@ def test_swiglu_epilogue_is_the_unfused_bits(
         if model_name == "tiny_ep"
         else qwen(model_name.split("_")[1])
     )
-    """Solo: the 12-row prefill fuses, the 1-row decode does not; four prompts: the decode."""
+    """Solo: the 12-row prefill and the decode fuse; four prompts: the decode (4 rows)."""
     program = _prepacked(model)
     unfused = run(model, "seq_major", prompts, fuse=True, fuse_mlp=False, program=program)
     fused = run(model, "seq_major", prompts, fuse=True, program=program)
     assert_mlp_fused(fused, unfused, model.num_layers)
-    assert sum(map(_fuses_mlp, fused.plans)) == 1
+    assert sum(map(_fuses_mlp, fused.plans)) == (2 if len(prompts) == 1 else 1)
 
 
 def test_swiglu_epilogue_captured_and_with_streamed_weights(tiny_ep: DecoderModel) -> None:
@@ -429,7 +431,7 @@ def _swiglu_nodes(program: Program) -> tuple[Node, Node]:
 
 
 def _assert_mlp_not_fused_in_layer_0(model: DecoderModel, program: Program) -> None:
-    """Layer 0 runs unfused (still right); layer 1 fuses (the 12-row prefill of a solo prompt)."""
+    """Layer 0 runs unfused (still right); layer 1 fuses (the solo prompt's 12-row prefill)."""
     unfused = run(model, "seq_major", PROMPTS[:1], fuse=True, fuse_mlp=False, program=program)
     fused = run(model, "seq_major", PROMPTS[:1], fuse=True, program=program)
     assert np.array_equal(fused.logits, unfused.logits)
@@ -464,9 +466,9 @@ def test_a_projection_that_would_not_run_the_split_k_gemv_is_not_fused(
     streaming GEMV, whose sums the epilogue's split-K kernel does not reproduce: not fused."""
     model = qwen("int4")
     backend = NativeBackend(model, HeadMajorLayout())
-    assert len(backend._plan(4, 1).mlp_fusions) == model.num_layers
+    assert len(backend._plan(SWIGLU_MIN_ROWS, 1).mlp_fusions) == model.num_layers
     monkeypatch.setattr(matmul, "sm_count", lambda dev: 1)
-    assert backend._plan(5, 1).mlp_fusions == []
+    assert backend._plan(SWIGLU_MIN_ROWS + 1, 1).mlp_fusions == []
     unfused = run(model, "seq_major", PROMPTS, fuse=True, fuse_mlp=False)
     assert np.array_equal(run(model, "seq_major", PROMPTS, fuse=True).logits, unfused.logits)
 
@@ -476,16 +478,17 @@ def test_unprepacked_weights_and_the_switch_keep_two_calls(
 ) -> None:
     """[K, N] weights (the CPU device's own load) have no SwiGLU epilogue; nor does a plan made
     with the switch off; a bad switch value is refused with the values it takes."""
-    assert NativeBackend(tiny_ep, HeadMajorLayout())._plan(4, 1).mlp_fusions == []
+    rows = SWIGLU_MIN_ROWS  # the plan's own threshold
+    assert NativeBackend(tiny_ep, HeadMajorLayout())._plan(rows, 1).mlp_fusions == []
     backend = NativeBackend(tiny_ep, HeadMajorLayout())
     backend.program = _prepacked(tiny_ep)
-    assert len(backend._plan(4, 1).mlp_fusions) == tiny_ep.num_layers
-    assert backend._plan(SWIGLU_MIN_ROWS - 1, 1).mlp_fusions == []  # fewer rows: two calls
+    assert len(backend._plan(rows, 1).mlp_fusions) == tiny_ep.num_layers
+    assert backend._plan(rows - 1, 1).mlp_fusions == []  # fewer rows: two calls
     monkeypatch.setenv(FUSE_MLP_ENV, "0")
-    assert backend._plan(5, 1).mlp_fusions == []
+    assert backend._plan(rows + 1, 1).mlp_fusions == []
     monkeypatch.setenv(FUSE_MLP_ENV, "on")
     with pytest.raises(ConfigError, match=r"GENAI_EP_FUSE_MLP='on'; expected 0 .* or 1"):
-        backend._plan(6, 1)
+        backend._plan(rows + 2, 1)
 
 
 @pytest.mark.cuda
@@ -493,8 +496,7 @@ def test_unprepacked_weights_and_the_switch_keep_two_calls(
 def test_cuda_swiglu_epilogue_is_the_unfused_bits(
     request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str
 ) -> None:
-    """On the GPU (the device prepacks): four prompts captured (the decode fuses), and solo (the
-    prefill fuses)."""
+    """On the GPU (the device prepacks): four prompts captured, and solo."""
     ok, reason = cuda_available()
     if not ok:
         pytest.skip(reason)
