@@ -79,6 +79,17 @@ EPK_LD_IF(ld_act_if, "ld.global")
 // block's group and slice of a warp are shifts, not integer divisions.
 __device__ __forceinline__ int log2_kw(int kw) { return 31 - __clz(kw); }
 
+// A split-K GEMV warp's output group (8 / kw groups a block of 8 warps) and K slice (kw a
+// group, gy blocks along K: blockIdx.y).
+struct WarpSplit {
+  int group, slice;
+  __device__ __forceinline__ explicit WarpSplit(int kw) {
+    const int ks = log2_kw(kw), warp = (int)(threadIdx.x >> 5);
+    group = (blockIdx.x << (3 - ks)) + (warp >> ks);
+    slice = blockIdx.y * kw + (warp & (kw - 1));
+  }
+};
+
 // Programmatic dependent launch (ep/device/_kernels.py): the split-K GEMVs are compiled with
 // pdl_wait = "kernel" and wait for the previous kernel of their stream themselves. With
 // EPK_EARLY (resident weights, which nothing in the stream writes) each thread issues its first
@@ -612,7 +623,6 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
 // is a permutation that A and B share, and each lane loads its weights as one 16-byte vector.
 // fp32 path: each lane multiplies its 8 weights with the 8 x of every row m, then the 4 lanes of
 // a row are added with two shuffles.
-
 //
 // FULL (dense weights only: `DenseRows::load_full`): weights and x 16-byte aligned and K % 32 ==
 // 0, so no chunk of a step is partial: every load is one predicated instruction (no bounds
@@ -626,9 +636,8 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
   __shared__ float red[8][16][8];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int ks = log2_kw(kw);
-  const int group = (blockIdx.x << (3 - ks)) + (warp >> ks);
-  const int slice = blockIdx.y * kw + (warp & (kw - 1));
+  const WarpSplit split(kw);
+  const int group = split.group, slice = split.slice;
   const int slices = gy * kw;
   const int n = group * 8 + g;
   const bool row_ok = oc.ok(n);
@@ -844,9 +853,8 @@ __device__ __forceinline__ void row_gemv_wt(const P& wp, T* __restrict__ y,
   __shared__ float red[8][16][16];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int ks = log2_kw(kw);
-  const int group = (blockIdx.x << (3 - ks)) + (warp >> ks);
-  const int slice = blockIdx.y * kw + (warp & (kw - 1));
+  const WarpSplit split(kw);
+  const int group = split.group, slice = split.slice;
   const int slices = gy * kw;
   const int n_lo = group * 16 + g;
   const bool xv = (flags & EPK_X16) != 0;
@@ -888,9 +896,8 @@ __device__ __forceinline__ void col_gemv(T* __restrict__ y, const T* __restrict_
                                          int N, int K, int kw, int gy, u32 flags) {
   __shared__ float red[8][16][64];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int ks = log2_kw(kw);
-  const int group = (blockIdx.x << (3 - ks)) + (warp >> ks);
-  const int slice = blockIdx.y * kw + (warp & (kw - 1));
+  const WarpSplit split(kw);
+  const int group = split.group, slice = split.slice;
   const int slices = gy * kw;
   const int nbase = group * 64;
   const bool wv = (flags & EPK_W16) != 0;
