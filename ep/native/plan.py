@@ -27,7 +27,11 @@ graph allows it exactly, the step from the QKV projection to the attention is on
 projection's bias ``Add`` (when its sum feeds nothing but the q/k/v views), the rotation pair and
 the ``KVCommit`` of the rotated k (when nothing else reads it) — bitwise what the separate calls
 store, without the biased sum and the rotated k ever reaching memory (they get no arena bytes).
-``GENAI_EP_FUSE=0`` (`FUSE_ENV`, read when a plan is made) binds every node on its own.
+A packed gate/up projection read only by its ``SwiGLUPacked`` runs as one GEMV with a SwiGLU
+epilogue (``MatMul+SwiGLUPacked``, `StepPlan._swiglu_fusions`) in plans of `SWIGLU_MIN_ROWS` to
+16 rows, also bitwise, without the packed product in memory. ``GENAI_EP_FUSE=0`` (`FUSE_ENV`,
+read when a plan is made) binds every node on its own; ``GENAI_EP_FUSE_MLP=0`` (`FUSE_MLP_ENV`)
+only the SwiGLU.
 
 4-bit embedding (GatherBlockQuantized, uint8 data, bits 4, gather_axis 0, quantize_axis 1): the
 onnxruntime-genai builder gathers it from the tied head's MatMulNBits B through a Reshape
@@ -606,8 +610,7 @@ class StepPlan:
         output = self.values[self.program.output].base
         last[output] = len(self.program.nodes)
         nodes = self.program.nodes
-        fusions: tuple[_QKVFusion | _SwigluFusion, ...] = (*self.fusions, *self.mlp_fusions)
-        for fusion in fusions:
+        for fusion in self._all_fusions:
             # One call reads and writes at once: what the span reads lives to its end, what it
             # writes from its start (so nothing it writes reuses bytes it still reads).
             for node in nodes[fusion.first : fusion.last + 1]:
@@ -700,9 +703,8 @@ class StepPlan:
         pairs = self._rotary_pairs()
         joined = {k.name for k in pairs.values()}
         nodes = self.program.nodes
-        fusions: tuple[_QKVFusion | _SwigluFusion, ...] = (*self.fusions, *self.mlp_fusions)
-        fused_at = {nodes[f.first].name: f for f in fusions}
-        absorbed = {n.name for f in fusions for n in f.nodes} - set(fused_at)
+        fused_at = {nodes[f.first].name: f for f in self._all_fusions}
+        absorbed = {n.name for f in self._all_fusions for n in f.nodes} - set(fused_at)
         for node in nodes:
             if node.op in _VIEWS or node.name in joined or node.name in absorbed:
                 continue
@@ -758,6 +760,22 @@ class StepPlan:
         """``names`` with BitCast/Identity carriers of initializers read as the initializers."""
         return tuple(self.aliases.get(n, n) for n in names)
 
+    def _readers(self) -> dict[str, list[tuple[int, int]]]:
+        """Storage -> the (node index, input slot) pairs of the working nodes that read it."""
+        readers: dict[str, list[tuple[int, int]]] = {}
+        for i, node in enumerate(self.program.nodes):
+            if node.op in _VIEWS:
+                continue
+            for slot, name in enumerate(node.inputs):
+                v = self.values.get(name)
+                if v is not None:
+                    readers.setdefault(v.base, []).append((i, slot))
+        return readers
+
+    @property
+    def _all_fusions(self) -> tuple[_QKVFusion | _SwigluFusion, ...]:
+        return (*self.fusions, *self.mlp_fusions)
+
     def _qkv_fusions(self) -> list[_QKVFusion]:
         """Every layer whose [bias Add ->] rotation pair -> KVCommit chain runs as one call.
 
@@ -771,14 +789,7 @@ class StepPlan:
         nodes = self.program.nodes
         index = {n.name: i for i, n in enumerate(nodes)}
         made = {out: i for i, n in enumerate(nodes) for out in n.outputs}
-        readers: dict[str, list[tuple[int, int]]] = {}  # storage -> (node, input slot) reading it
-        for i, node in enumerate(nodes):
-            if node.op in _VIEWS:
-                continue
-            for slot, name in enumerate(node.inputs):
-                v = self.values.get(name)
-                if v is not None:
-                    readers.setdefault(v.base, []).append((i, slot))
+        readers = self._readers()
         output = self.values[self.program.output].base
         found: list[_QKVFusion] = []
         for q_name, k in self._rotary_pairs().items():
@@ -855,13 +866,7 @@ class StepPlan:
 
         nodes, values = self.program.nodes, self.values
         output = values[self.program.output].base
-        readers: dict[str, list[int]] = {}
-        for i, node in enumerate(nodes):
-            if node.op not in _VIEWS:
-                for name in node.inputs:
-                    v = values.get(name)
-                    if v is not None:
-                        readers.setdefault(v.base, []).append(i)
+        readers = self._readers()
         sm_count = matmul.sm_count(self.device)
         max_shared = int(self.device.limits["max_shared_mem"])
         found: list[_SwigluFusion] = []
@@ -872,7 +877,7 @@ class StepPlan:
             use = readers.get(packed.base, [])
             if packed.base == output or packed.base != node.outputs[0] or len(use) != 1:
                 continue
-            j = use[0]
+            j = use[0][0]
             act = nodes[j]
             if (
                 act.op != "SwiGLUPacked"
