@@ -12,7 +12,9 @@ kernel                    what and launch geometry
                           owns 8 output columns (weight rows) and one K slice; 4 lanes a row,
                           one 16-byte load each per step of 32 k, 4 steps in flight. fp16/bf16:
                           the weights are the B operand of ``mma.sync m16n8k16`` (x rows padded
-                          to 16 as A); fp32: SIMT FMAs and two shuffles.
+                          to 16 as A); fp32: SIMT FMAs and two shuffles. Aligned rows with
+                          K % 32 == 0 take a FULL path: predicated loads without bounds checks,
+                          at M <= 8 a round's x chunks loaded at once (the same sums).
 ``ep_gemv_nk_v2_<dt>``    decode, dense W [N, K], fp16/bf16, planned only with a size rule set
                           (see below): a tile is 8 weight rows (the MMA's B
                           operand, as in ``nk``), a block of kw = min(16, ceil(K/256)) warps works
@@ -47,6 +49,10 @@ kernel                    what and launch geometry
                           weights' fragment order, magic-number dequantization with one LOP3 a
                           pair, weights as the MMA's A operand (~180 warp-instructions per KB of
                           weights against ~470 for ``_stream_``; the .cu file counts them).
+``ep_gemv_<fmt>_swiglu_`` ``ep_gemv_<fmt>`` (nk, q4, mx4) with a SwiGLU epilogue (``swiglu=`` of
+``<dt>``                  the wrappers): a block's columns are gate outputs and the up outputs
+                          of the same indices; it stores ``silu(g) * u``, y [M, N/2], bitwise the
+                          GEMV then ``SwiGLUPacked`` (same K split, one shared ``silu_mul``).
 ``ep_gemm_<fmt>_<dt>``    prefill: 64 x 64 output tiles. fp16/bf16: 128 threads (2 x 2 warps of
                           32 x 32), K tiles of 32 double-buffered in shared memory (cp.async for
                           dense, dequantize-into-shared for q4/mx4), ``mma.sync m16n8k16`` fed by
