@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -17,19 +16,10 @@ from ep_builtin.kv_head_major import HeadMajorLayout
 from ep_builtin.kv_paged import PagedLayout
 from ep_builtin.kv_seq_major import SeqMajorLayout
 
+from ._greedy import greedy_logits
+
 DATA = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
 PROMPTS = json.loads((DATA / "expected_tokens.json").read_text())["prompts"]
-
-
-def _greedy(backend, prompts: Sequence[Sequence[int]], steps: int, reserve: int = 0) -> np.ndarray:
-    logits = backend.prefill([np.array(p) for p in prompts], reserve=reserve)
-    seen = [logits.copy()]
-    for _ in range(steps):
-        masked = logits.copy()
-        masked[:, 2] = -np.inf
-        logits = backend.step(masked.argmax(axis=1))
-        seen.append(logits.copy())
-    return np.stack(seen)
 
 
 LAYOUTS = {
@@ -45,16 +35,16 @@ assert PagedLayout
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_native_matches_ort_bitwise_batch_and_solo(tiny_ep: DecoderModel, layout: str) -> None:
     prompts = PROMPTS[:2]
-    ort_logits = _greedy(OrtBackend(tiny_ep, LAYOUTS[layout]()), prompts, 24)
-    eager = _greedy(NativeBackend(tiny_ep, LAYOUTS[layout]()), prompts, 24)
+    ort_logits = greedy_logits(OrtBackend(tiny_ep, LAYOUTS[layout]()), prompts, 24)
+    eager = greedy_logits(NativeBackend(tiny_ep, LAYOUTS[layout]()), prompts, 24)
     captured_backend = NativeBackend(tiny_ep, LAYOUTS[layout](), capture=WarmupCapture(steps=1))
-    captured = _greedy(captured_backend, prompts, 24)
+    captured = greedy_logits(captured_backend, prompts, 24)
     assert np.array_equal(ort_logits, eager)
     assert np.array_equal(eager, captured)
     m = captured_backend.capture_metrics
     assert m.captures > 0 and m.replays > 0 and m.fallbacks == 0
     # row identity: row 1 of the batch equals the solo run of that prompt
-    solo = _greedy(NativeBackend(tiny_ep, LAYOUTS[layout]()), prompts[1:], 24)
+    solo = greedy_logits(NativeBackend(tiny_ep, LAYOUTS[layout]()), prompts[1:], 24)
     # NumPy's CPU matmul rounds M=1 and M=2 differently (BLAS gemv vs gemm), as the ort
     # backend's does: tokens are identical, logits agree to float32 rounding.
     assert np.array_equal(solo[:, 0].argmax(-1), eager[:, 1].argmax(-1))
@@ -65,7 +55,7 @@ def test_fixed_stride_keeps_its_graph_across_growth(tiny_ep: DecoderModel) -> No
     b = NativeBackend(
         tiny_ep, SeqMajorLayout(min_capacity=16, fixed_stride=True), capture=WarmupCapture(1)
     )
-    _greedy(b, PROMPTS[:2], 40)
+    greedy_logits(b, PROMPTS[:2], 40)
     m = b.capture_metrics
     assert b.kv.growths > 0
     assert m.growth_keeps > 0 and m.invalidations == 0 and m.captures == 1
@@ -73,7 +63,7 @@ def test_fixed_stride_keeps_its_graph_across_growth(tiny_ep: DecoderModel) -> No
 
 def test_head_major_growth_invalidates_and_recaptures(tiny_ep: DecoderModel) -> None:
     b = NativeBackend(tiny_ep, HeadMajorLayout(min_capacity=16), capture=WarmupCapture(1))
-    _greedy(b, PROMPTS[:2], 40)
+    greedy_logits(b, PROMPTS[:2], 40)
     m = b.capture_metrics
     assert b.kv.moved_growths > 0
     assert m.invalidations > 0 and m.captures >= 2 and m.growth_keeps == 0
@@ -112,7 +102,7 @@ def test_a_graph_wrongly_kept_across_relocation_is_detected(tiny_ep: DecoderMode
 
 def test_never_policy_counts_no_captures(tiny_ep: DecoderModel) -> None:
     b = NativeBackend(tiny_ep, HeadMajorLayout())
-    _greedy(b, PROMPTS[:1], 4)
+    greedy_logits(b, PROMPTS[:1], 4)
     m = b.capture_metrics
     assert (m.enabled, m.captures, m.replays) == (False, 0, 0)
     assert m.eager_steps == 4
@@ -122,7 +112,7 @@ def test_offload_not_address_stable_declines_with_inputs(tiny_ep: DecoderModel) 
     b = NativeBackend(tiny_ep, HeadMajorLayout(), capture=WarmupCapture(0))
     b.weights.capture_safe = False  # type: ignore[misc]  # an instance of resident, made unsafe
     b.sources["offload"] = "lru (from config file)"
-    _greedy(b, PROMPTS[:1], 3)
+    greedy_logits(b, PROMPTS[:1], 3)
     m = b.capture_metrics
     assert m.captures == 0 and m.fallbacks == 3
     assert m.last_decline["predicate"] == "offload plan is address-stable"

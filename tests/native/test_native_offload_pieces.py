@@ -9,7 +9,7 @@ split, and 25 % (two slots of the whole table are 31 % of it) works.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,8 @@ from ep_builtin.offload_scan_resistant import ScanResistantPolicy
 from ep_builtin.offload_stream import StreamPolicy
 from ep_graphs import build_model, load_hf_checkpoint
 
+from ._greedy import greedy_logits
+
 DATA = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
 PROMPTS: list[list[int]] = json.loads((DATA / "expected_tokens.json").read_text())["prompts"]
 PIECE = 16384  # bytes: 9 of the 17 weights are split, the tied table in 16 pieces of 32 rows
@@ -41,23 +43,14 @@ def tiny_q4(tmp_path_factory: pytest.TempPathFactory) -> DecoderModel:
     return load_model(out)
 
 
-def greedy(backend: NativeBackend, prompts: Sequence[Sequence[int]], steps: int) -> np.ndarray:
-    """Logits of the prefill and each step, [steps + 1, batch, vocab] (EOS masked)."""
-    logits = backend.prefill([np.array(p) for p in prompts])
-    seen = [logits.copy()]
-    for _ in range(steps):
-        masked = logits.copy()
-        masked[:, 2] = -np.inf
-        logits = backend.step(masked.argmax(axis=1))
-        seen.append(logits.copy())
-    return np.stack(seen)
-
-
 @pytest.fixture(scope="module")
 def resident(tiny_ep: DecoderModel) -> Iterator[dict[int, np.ndarray]]:
     """Resident logits (no store): batched, and solo for prompt 1."""
-    yield {4: greedy(NativeBackend(tiny_ep, HeadMajorLayout()), PROMPTS, STEPS),
-           1: greedy(NativeBackend(tiny_ep, HeadMajorLayout()), PROMPTS[1:2], STEPS)}  # fmt: skip
+
+    def run(prompts: list[list[int]]) -> np.ndarray:
+        return greedy_logits(NativeBackend(tiny_ep, HeadMajorLayout()), prompts, STEPS)
+
+    yield {4: run(PROMPTS), 1: run(PROMPTS[1:2])}
 
 
 @pytest.mark.parametrize("budget", ["100%", "50%", "25%"])
@@ -72,7 +65,7 @@ def test_every_policy_in_pieces_gives_resident_tokens(
     store = backend.offloaded.store
     assert len(store.splits) == 9 and len(store.splits["model.embed_tokens.weight"].pieces) == 16
     assert store.layout.slot_bytes <= PIECE
-    got = greedy(backend, PROMPTS if batch == 4 else PROMPTS[1:2], STEPS)
+    got = greedy_logits(backend, PROMPTS if batch == 4 else PROMPTS[1:2], STEPS)
     ref = resident[batch]
     assert np.array_equal(got.argmax(-1), ref.argmax(-1))
     # 32-column pieces: the CPU twins' sums come out bitwise equal here
@@ -97,7 +90,7 @@ def _executor_uploads(model: DecoderModel) -> int:
     backend = NativeBackend(model, HeadMajorLayout(), offload=ResidentPolicy(),
                             capture=WarmupCapture(steps=1))  # fmt: skip
     before = backend.device.counters().htod_bytes
-    greedy(backend, PROMPTS[:2], STEPS)
+    greedy_logits(backend, PROMPTS[:2], STEPS)
     assert backend.offloaded is not None and backend.offloaded.counters().htod_bytes == 0
     return backend.device.counters().htod_bytes - before
 
@@ -115,7 +108,7 @@ def test_htod_bytes_equal_the_pieces_copied_and_the_device_count(tiny_ep: Decode
     table = {p.name for p in store.splits["model.embed_tokens.weight"].pieces}
     per_step = sum(sizes[n] for n in streamed) + sum(sizes[n] for n in streamed & table)
     before = backend.device.counters().htod_bytes
-    tokens = greedy(backend, PROMPTS[:2], STEPS).argmax(-1)
+    tokens = greedy_logits(backend, PROMPTS[:2], STEPS).argmax(-1)
     copied = backend.device.counters().htod_bytes - before
     off = store.counters()
     assert off.htod_bytes == per_step * (STEPS + 1)  # prefill and each step, captured or not
@@ -128,14 +121,14 @@ def test_htod_bytes_equal_the_pieces_copied_and_the_device_count(tiny_ep: Decode
 
 
 def test_quantized_weights_split_as_one_group_give_resident_tokens(tiny_q4: DecoderModel) -> None:
-    ref = greedy(NativeBackend(tiny_q4, HeadMajorLayout()), PROMPTS, 6)
+    ref = greedy_logits(NativeBackend(tiny_q4, HeadMajorLayout()), PROMPTS, 6)
     backend = NativeBackend(tiny_q4, HeadMajorLayout(), offload=StreamPolicy(), budget="25%",
                             piece=4096, capture=WarmupCapture(steps=1))  # fmt: skip
     assert backend.offloaded is not None
     splits = backend.offloaded.store.splits
     groups = [n for n in splits if len(splits[n].pieces) > 1 and splits[n].shape[-1] == 16]
     assert groups  # MatMulNBits b [N, kb, 16] in pieces, its scales beside it
-    assert np.array_equal(greedy(backend, PROMPTS, 6), ref)
+    assert np.array_equal(greedy_logits(backend, PROMPTS, 6), ref)
     assert backend.capture_metrics.captures > 0
     backend.close()
 
