@@ -55,21 +55,27 @@ COMMITS = ("KVCommit", "KVCommitPaged", "QKVRotaryCommit")
 ATTENTIONS = ("KVAttention", "KVAttentionPaged")
 
 
-def _replay_us(dev: Any, stream: Any, calls: list[Any], reps: int) -> float:
-    """Device µs of one replay of ``calls`` captured as a graph, replayed ``reps`` times."""
+def _graph_ms(dev: Any, stream: Any, graph: Any, reps: int) -> float:
+    """Device ms of one replay of ``graph``: a warm-up launch, then ``reps`` back to back."""
     start, end = dev.create_event(timing=True), dev.create_event(timing=True)
-    with dev.capture(stream=stream) as cap:
-        for call in calls:
-            call()
-    graph = cap.graph
     graph.launch(stream=stream)
     stream.record(start)
     for _ in range(reps):
         graph.launch(stream=stream)
     stream.record(end)
     end.sync()
-    graph.close()
-    return end.elapsed_ms(start) / reps * 1e3
+    return end.elapsed_ms(start) / reps
+
+
+def _replay_us(dev: Any, stream: Any, calls: list[Any], reps: int) -> float:
+    """Device µs of one replay of ``calls`` captured as a graph, replayed ``reps`` times."""
+    with dev.capture(stream=stream) as cap:
+        for call in calls:
+            call()
+    try:
+        return _graph_ms(dev, stream, cap.graph, reps) * 1e3
+    finally:
+        cap.graph.close()
 
 
 def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, Any]:
@@ -80,20 +86,10 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
     tokens = logits.argmax(-1)
     for _ in range(4):  # warm-up: eager steps, then a capture
         tokens = backend.step(tokens).argmax(-1)
-    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
 
     # the whole captured graph, back to back
     graphs = list(backend.capture.graphs.values())
-    graph_ms = None
-    if graphs:
-        kept = graphs[-1]
-        kept.graph.launch(stream=stream)
-        stream.record(start)
-        for _ in range(s.reps):
-            kept.graph.launch(stream=stream)
-        stream.record(end)
-        end.sync()
-        graph_ms = end.elapsed_ms(start) / s.reps
+    graph_ms = _graph_ms(dev, stream, graphs[-1].graph, s.reps) if graphs else None
 
     # per op type: a graph of only that type's calls (in step order), replayed back to back.
     # Attention runs with the commit before it: it reads the lengths the commit writes, whose
