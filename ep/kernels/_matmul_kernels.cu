@@ -511,6 +511,7 @@ struct Mx4Rows {  // MXFP4: b [N, K/32, 16], scales [N, K/32] E8M0
 struct PlainCols {
   int N;
   static constexpr bool kPairs = false;
+  static constexpr bool kTokens = false;
   __device__ __forceinline__ int row(int n) const { return n; }
   __device__ __forceinline__ bool ok(int n) const { return n < N; }
 };
@@ -519,17 +520,20 @@ template <int COLS>
 struct SwigluCols {
   int inter, stride, up;
   static constexpr bool kPairs = true;
+  static constexpr bool kTokens = false;
   static constexpr int H = COLS / 2;
   __device__ __forceinline__ int out(int n) const { return (n / COLS) * H + n % H; }
   __device__ __forceinline__ int row(int n) const {
     return out(n) * stride + ((n % COLS) >= H ? up : 0);
   }
   __device__ __forceinline__ bool ok(int n) const { return out(n) < inter; }
+  // Row m's pair (gate column n, up column n + H) with float sums gate, upv.
   template <typename T>
-  __device__ __forceinline__ T finish(float gate, float upv) const {
+  __device__ __forceinline__ void store(T* __restrict__ y, int m, int n, float gate,
+                                        float upv) const {
     const float g = Elem<T>::to_f(Elem<T>::from_f(gate));
     const float u = Elem<T>::to_f(Elem<T>::from_f(upv));
-    return Elem<T>::from_f(silu_mul(g, u));
+    y[(size_t)m * inter + out(n)] = Elem<T>::from_f(silu_mul(g, u));
   }
 };
 
@@ -547,6 +551,9 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
                                             u32* counters, int M, int N, int kw, int gy,
                                             const C& oc) {
   __shared__ u32 s_last;
+  if constexpr (C::kTokens) {  // once a launch, by any one block: per-token work (RopeCols)
+    if (blockIdx.x == 0 && blockIdx.y == 0) oc.tokens(M);
+  }
   __syncthreads();
   constexpr int LC = COLS == 8 ? 3 : (COLS == 16 ? 4 : 6);  // log2(COLS)
   static_assert((1 << LC) == COLS, "COLS is 8, 16 or 64");
@@ -565,7 +572,7 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
         float sg = 0.0f, su = 0.0f;
         for (int q = 0; q < kw; ++q) sg += red[grp * kw + q][m][col];
         for (int q = 0; q < kw; ++q) su += red[grp * kw + q][m][col + H];
-        y[(size_t)m * oc.inter + oc.out(n)] = oc.template finish<T>(sg, su);
+        oc.template store<T>(y, m, n, sg, su);
       }
       return;
     }
@@ -599,7 +606,7 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
       float sg = 0.0f, su = 0.0f;
       for (int b = 0; b < gy; ++b) sg += __ldcg(&ws[((size_t)b * M + m) * N + n]);
       for (int b = 0; b < gy; ++b) su += __ldcg(&ws[((size_t)b * M + m) * N + n + H]);
-      y[(size_t)m * oc.inter + oc.out(n)] = oc.template finish<T>(sg, su);
+      oc.template store<T>(y, m, n, sg, su);
     }
   } else {
     for (int e = threadIdx.x; e < total; e += blockDim.x) {

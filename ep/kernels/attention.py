@@ -91,15 +91,18 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ep.device import Buffer, Device, KernelSource, Stream
 from ep.errors import OpError
+from ep.kernels import matmul
 from ep.kernels._common import (
     BF16,
     EXACT_OPTIONS,
     FLOAT_DTYPES,
+    PRELUDE,
     KernelFault,
     aligned,
     check_buffer,
@@ -127,6 +130,7 @@ __all__ = [
     "kv_attention",
     "kv_commit",
     "kv_commit_rotary",
+    "rope_epilogue",
 ]
 
 _THREADS = 256
@@ -599,6 +603,110 @@ ROTARY_COMMIT_KERNELS = register_per_dtype(
 )
 
 
+@dataclass(frozen=True)
+class _RotaryCommit:
+    """The checked table and index arguments of a rotary commit (both of its kernels)."""
+
+    mode: int  # 0: cos/sin caches, 1: theta
+    cos: Buffer
+    sin: Buffer
+    freq: Buffer
+    max_pos: int
+    half: int
+    table: Buffer
+    cols: int
+    pos_i64: int
+
+
+def _check_rotary_commit(
+    op: str,
+    key_cache: Buffer,
+    value_cache: Buffer,
+    lengths: Buffer,
+    q_out: Buffer,
+    positions: Buffer,
+    sources: dict[str, tuple[Buffer, int, int]],
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    strides: KVStrides,
+    capacity: int,
+    cos_cache: Buffer | None,
+    sin_cache: Buffer | None,
+    max_positions: int,
+    inv_freq: Buffer | None,
+    theta: float,
+    rotary_dim: int,
+    interleaved: int,
+    bias: Buffer | None,
+    bias_offsets: tuple[int, int, int],
+    block_table: Buffer | None,
+    table_cols: int,
+    status: Buffer,
+) -> _RotaryCommit:
+    """What `kv_commit_rotary` and `rope_epilogue` check; ``sources``: name -> (buffer, token
+    stride, elements a token) of the q/k/v inputs (none for the epilogue: the GEMV's sums) and
+    of ``q_out``."""
+    positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    need(heads > 0 and kv_heads > 0, op, f"heads={heads}, kv_heads={kv_heads} must be > 0")
+    _check_strides(op, strides)
+    table, cols = _cache_checks(
+        op, key_cache, value_cache, strides, capacity, batch, block_table, table_cols
+    )
+    dtype = key_cache.dtype
+    dtype_suffix(dtype, op)
+    rot = check_rotation(op, head_dim, rotary_dim, interleaved)
+    tokens = batch * seq
+    for name, (buf, tok, per) in sources.items():
+        need(tok >= per, op, f"{name} token stride {tok} must be >= {per}")
+        check_buffer(op, name, buf, (tokens - 1) * tok + per if tokens else 0, dtype)
+    inputs = [b for name, (b, _, _) in sources.items() if name != "q_out"]
+    need(
+        not any(_overlap(c, x) for c in (key_cache, value_cache) for x in (*inputs, q_out)),
+        op,
+        "q, k, v and q_out must not overlap the caches",
+    )
+    if cos_cache is not None or sin_cache is not None:
+        need(
+            cos_cache is not None and sin_cache is not None and inv_freq is None,
+            op,
+            "pass cos_cache and sin_cache (Rotary), or inv_freq and theta (RotaryTheta)",
+        )
+        assert cos_cache is not None and sin_cache is not None
+        positive(op, max_positions=max_positions)
+        need(max_positions > 0, op, "max_positions must be > 0 with cos/sin caches")
+        check_buffer(op, "cos_cache", cos_cache, max_positions * rot // 2, dtype)
+        check_buffer(op, "sin_cache", sin_cache, max_positions * rot // 2, dtype)
+        mode, cos, sin, freq = 0, cos_cache, sin_cache, cos_cache
+    else:
+        need(
+            inv_freq is not None and theta > 0,
+            op,
+            "pass cos_cache and sin_cache (Rotary), or inv_freq and theta > 0 (RotaryTheta)",
+        )
+        assert inv_freq is not None
+        check_buffer(op, "inv_freq", inv_freq, rot // 2, np.dtype(np.float32))
+        mode, cos, sin, freq = 1, q_out, q_out, inv_freq  # no caches: q_out fills the typed slots
+    if bias is not None:
+        q_per, kv_per = heads * head_dim, kv_heads * head_dim
+        need(
+            all(isinstance(o, int) and o >= 0 for o in bias_offsets),
+            op,
+            f"bias_offsets {bias_offsets!r} must be three non-negative ints (q, k, v)",
+        )
+        top = max(o + w for o, w in zip(bias_offsets, (q_per, kv_per, kv_per), strict=True))
+        check_buffer(op, "bias", bias, top, dtype)
+    pos_i64 = check_index_buffer(op, "positions", positions, tokens)
+    check_buffer(op, "lengths", lengths, batch, np.dtype(np.int64))
+    check_status(op, status)
+    return _RotaryCommit(
+        mode, cos, sin, freq, max_positions if mode == 0 else 0, rot // 2, table, cols, pos_i64
+    )
+
+
 def kv_commit_rotary(
     dev: Device,
     key_cache: Buffer,
@@ -647,90 +755,306 @@ def kv_commit_rotary(
     packed), so they may be views into one QKV projection; ``q_out`` may be ``q`` itself.
     """
     op = "KVCommitRotary"
-    positive(op, batch=batch, seq=seq, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-    need(heads > 0 and kv_heads > 0, op, f"heads={heads}, kv_heads={kv_heads} must be > 0")
-    _check_strides(op, strides)
-    table, cols = _cache_checks(
-        op, key_cache, value_cache, strides, capacity, batch, block_table, table_cols
-    )
-    dtype = key_cache.dtype
-    suffix = dtype_suffix(dtype, op)
-    rot = check_rotation(op, head_dim, rotary_dim, interleaved)
-    tokens = batch * seq
     q_per, kv_per = heads * head_dim, kv_heads * head_dim
-    strided = {
+    sources = {
         "q": (q, q_token_stride or q_per, q_per),
         "q_out": (q_out, q_out_token_stride or q_per, q_per),
         "k": (k, k_token_stride or kv_per, kv_per),
         "v": (v, v_token_stride or kv_per, kv_per),
     }
-    for name, (buf, tok, per) in strided.items():
-        need(tok >= per, op, f"{name} token stride {tok} must be >= {per}")
-        check_buffer(op, name, buf, (tokens - 1) * tok + per if tokens else 0, dtype)
-    q_tok, q_out_tok = strided["q"][1], strided["q_out"][1]
+    rc = _check_rotary_commit(
+        op, key_cache, value_cache, lengths, q_out, positions, sources, batch=batch, seq=seq,
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, strides=strides, capacity=capacity,
+        cos_cache=cos_cache, sin_cache=sin_cache, max_positions=max_positions, inv_freq=inv_freq,
+        theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, bias=bias,
+        bias_offsets=bias_offsets, block_table=block_table, table_cols=table_cols, status=status,
+    )  # fmt: skip
+    q_tok, q_out_tok = sources["q"][1], sources["q_out"][1]
     need(
         (q_out.ptr == q.ptr and q_out_tok == q_tok)
         or not any(_overlap(q_out, x) for x in (q, k, v)),
         op,
         "q_out must be q itself (same token stride) or overlap none of q, k and v",
     )
-    need(
-        not any(_overlap(c, x) for c in (key_cache, value_cache) for x in (q, k, v, q_out)),
-        op,
-        "q, k, v and q_out must not overlap the caches",
-    )
-    if cos_cache is not None or sin_cache is not None:
-        need(
-            cos_cache is not None and sin_cache is not None and inv_freq is None,
-            op,
-            "pass cos_cache and sin_cache (Rotary), or inv_freq and theta (RotaryTheta)",
-        )
-        assert cos_cache is not None and sin_cache is not None
-        positive(op, max_positions=max_positions)
-        need(max_positions > 0, op, "max_positions must be > 0 with cos/sin caches")
-        check_buffer(op, "cos_cache", cos_cache, max_positions * rot // 2, dtype)
-        check_buffer(op, "sin_cache", sin_cache, max_positions * rot // 2, dtype)
-        mode, cos, sin, freq = 0, cos_cache, sin_cache, cos_cache
-    else:
-        need(
-            inv_freq is not None and theta > 0,
-            op,
-            "pass cos_cache and sin_cache (Rotary), or inv_freq and theta > 0 (RotaryTheta)",
-        )
-        assert inv_freq is not None
-        check_buffer(op, "inv_freq", inv_freq, rot // 2, np.dtype(np.float32))
-        mode, cos, sin, freq = 1, q, q, inv_freq  # no caches: q fills the typed slots
-    if bias is not None:
-        widths = (q_per, kv_per, kv_per)
-        need(
-            all(isinstance(o, int) and o >= 0 for o in bias_offsets),
-            op,
-            f"bias_offsets {bias_offsets!r} must be three non-negative ints (q, k, v)",
-        )
-        top = max(o + w for o, w in zip(bias_offsets, widths, strict=True))
-        check_buffer(op, "bias", bias, top, dtype)
-    pos_i64 = check_index_buffer(op, "positions", positions, tokens)
-    check_buffer(op, "lengths", lengths, batch, np.dtype(np.int64))
-    check_status(op, status)
     if batch == 0:
         return
     if seq == 0:
         dev.fill(lengths.view(np.int64, (batch,)), 0, stream=stream)
         return
-    dev.kernel(ROTARY_COMMIT_KERNELS[suffix].name).launch(
-        tokens,
+    dev.kernel(ROTARY_COMMIT_KERNELS[dtype_suffix(key_cache.dtype, op)].name).launch(
+        batch * seq,
         _THREADS,
         q_out, q_out_tok, q, q_tok, heads,
-        k, strided["k"][1], v, strided["v"][1], kv_heads,
+        k, sources["k"][1], v, sources["v"][1], kv_heads,
         bias if bias is not None else q, int(bias is not None), *bias_offsets,
-        positions, pos_i64, cos, sin, freq, max_positions if mode == 0 else 0, mode,
-        float(theta), head_dim, rot // 2, interleaved,
-        key_cache, value_cache, lengths, table, cols,
+        positions, rc.pos_i64, rc.cos, rc.sin, rc.freq, rc.max_pos, rc.mode,
+        float(theta), head_dim, rc.half, interleaved,
+        key_cache, value_cache, lengths, rc.table, rc.cols,
         batch, seq,
         strides.batch, strides.token, strides.head, strides.dim, strides.page, strides.page_size,
         capacity, key_cache.size, status,
         stream=stream,
     )  # fmt: skip
+
+
+# --- the same as the QKV projection's GEMV epilogue --------------------------------------------
+
+ROPE_COLS = (
+    ROTARY_DEVICE
+    + _ADDRESSING
+    + r"""
+// --- the rotary/KV-commit epilogue of the QKV projection's split-K GEMV -----------------------
+
+// `RopeCols<COLS>`, the column map of ``ep_gemv_<fmt>_rope_<dt>`` (`ep.kernels.matmul`'s split-K
+// GEMV): the weight's N outputs are the packed [q | k | v] heads of ``dim`` features, taken as
+// dim / 2 pairs a head: (i, i + half) for the rotated i < half and then adjacent pass-through
+// features (interleaved: (2i, 2i + 1), rotated while i < half). Launch column n is, within its
+// group of COLS, the first (n % COLS < H) or second feature of pair (n / COLS) * H + n % H, so
+// one block finishes both features of a pair: it rounds the two sums to T as the GEMV stores
+// them and then does what `kv_commit_rotary` does with them (bias, rotation, q into q_out, k and
+// v into the caches), with the same device code. Needs dim % COLS == 0 (the plan checks: a
+// group's pairs lie in one head). Faults and ``lengths`` are per token: `tokens`, run once.
+template <int COLS>
+struct RopeCols {
+    static constexpr bool kPairs = true;
+    static constexpr bool kTokens = true;
+    static constexpr int H = COLS / 2;
+    int N;
+    T* q_out;
+    i64 q_out_tok;
+    int heads, kv_heads, dim, half, interleaved;
+    const T* bias;  // null: no bias
+    const void* positions;
+    int pos_i64;
+    const T* cos_cache;
+    const T* sin_cache;
+    const void* inv_freq;
+    i64 max_pos;
+    int mode;
+    T* kcache;
+    T* vcache;
+    i64* lengths;
+    const int* table;
+    i64 table_cols, batch, seq, s_batch, s_token, s_head, s_dim, s_page, page_size, capacity,
+        cache_elems;
+    u32* status;
+
+    __device__ __forceinline__ int pair(int n) const { return (n / COLS) * H + n % H; }
+    // The features (fa, fb) of pair i of a head.
+    __device__ __forceinline__ void features(int i, int& fa, int& fb) const {
+        if (interleaved) {
+            fa = 2 * i;
+        } else if (i < half) {
+            fa = i;
+            fb = i + half;
+            return;
+        } else {
+            fa = 2 * i;  // past the rotated features: 2 half + 2 (i - half)
+        }
+        fb = fa + 1;
+    }
+    __device__ __forceinline__ int row(int n) const {
+        const int p = pair(n), hd = dim >> 1, h = p / hd;
+        int fa, fb;
+        features(p - h * hd, fa, fb);
+        return h * dim + ((n % COLS) < H ? fa : fb);
+    }
+    __device__ __forceinline__ bool ok(int n) const { return pair(n) < (N >> 1); }
+    __device__ __forceinline__ i64 slot(i64 tok, i64 pos, bool report) const {
+        const i64 span = (i64)(kv_heads - 1) * s_head + (i64)(dim - 1) * s_dim + 1;
+        return kv_token_base(tok / seq, pos, table, table_cols, s_batch, s_token, s_page,
+                             page_size, span, cache_elems, status, report);
+    }
+
+    // Row m's pair of features starting at column n, with float sums sa, sb.
+    template <typename X>
+    __device__ __forceinline__ void store(X*, int m, int n, float sa, float sb) const {
+        const int p = pair(n), hd = dim >> 1, h = p / hd, i = p - h * hd;
+        int fa, fb;
+        features(i, fa, fb);
+        T va = from_f32<T>(sa), vb = from_f32<T>(sb);  // the GEMV's outputs
+        if (bias) {  // the projection's Add, as `biased`
+            va = from_f32<T>(__fadd_rn(to_f32(va), to_f32(bias[h * dim + fa])));
+            vb = from_f32<T>(__fadd_rn(to_f32(vb), to_f32(bias[h * dim + fb])));
+        }
+        const i64 tok = m;
+        const i64 pos = load_index(positions, tok, pos_i64);
+        T* dst;
+        i64 step = 1;
+        if (h < heads) {
+            dst = q_out + tok * q_out_tok + (i64)h * dim;
+        } else {
+            if (pos < 0 || pos >= capacity) return;  // padding, or a fault `tokens` reports
+            const i64 base = slot(tok, pos, false);
+            if (base < 0) return;
+            const bool key = h < heads + kv_heads;
+            dst = (key ? kcache : vcache) + base +
+                  (i64)(h - heads - (key ? 0 : kv_heads)) * s_head;
+            step = s_dim;
+        }
+        if (h < heads + kv_heads && i < half && pos >= 0 && !(mode == 0 && pos >= max_pos)) {
+            float c, s;
+            if (mode == 0) {
+                c = to_f32(cos_cache[pos * half + i]);
+                s = to_f32(sin_cache[pos * half + i]);
+            } else {  // as `rotary_table`
+                const float angle =
+                    __fmul_rn((float)pos, reinterpret_cast<const float*>(inv_freq)[i]);
+                sincosf(angle, &s, &c);
+                c = to_f32(from_f32<T>(c));
+                s = to_f32(from_f32<T>(s));
+            }
+            float r1, r2;
+            rotate_pair(to_f32(va), to_f32(vb), c, s, &r1, &r2);
+            va = from_f32<T>(r1);
+            vb = from_f32<T>(r2);
+        }
+        dst[fa * step] = va;
+        dst[fb * step] = vb;
+    }
+
+    // Per token, once a launch: ``lengths`` and the faults `rotary_table`, `commit_length` and
+    // `commit_slot` set in `kv_commit_rotary`.
+    __device__ void tokens(int M) const {
+        for (int tok = threadIdx.x; tok < M; tok += blockDim.x) {
+            const i64 b = tok / seq, s = tok - b * seq;
+            const i64 pos = load_index(positions, tok, pos_i64);
+            if (s == 0) {
+                i64 best = -1;
+                for (i64 j = 0; j < seq; ++j) {
+                    const i64 q = load_index(positions, b * seq + j, pos_i64);
+                    best = q > best ? q : best;
+                }
+                lengths[b] = best + 1;
+            }
+            if (pos < 0) continue;
+            if (mode == 0 && pos >= max_pos) set_fault(status, 2u);  // ROTARY_POSITION
+            if (s > 0) {
+                const i64 prev = load_index(positions, tok - 1, pos_i64);
+                if (prev >= 0 && pos <= prev) set_fault(status, 16u);  // KV_ORDER
+            }
+            if (pos >= capacity) {
+                set_fault(status, 4u);  // KV_POSITION
+                continue;
+            }
+            slot(tok, pos, true);
+        }
+    }
+};
+"""
+)
+# The kernel parameters `RopeCols` reads, after the GEMV's flags (the `RopeEpilogue`'s args).
+_ROPE_PARAMS = (
+    ", T* q_out, i64 q_out_tok, int heads, int kv_heads, int dim, int half, int interleaved, "
+    "const T* bias, int has_bias, const void* positions, int pos_i64, const T* cos_cache, "
+    "const T* sin_cache, const void* inv_freq, i64 max_pos, int mode, double theta, T* kcache, "
+    "T* vcache, i64* lengths, const void* block_table, i64 table_cols, i64 batch, i64 seq, "
+    "i64 s_batch, i64 s_token, i64 s_head, i64 s_dim, i64 s_page, i64 page_size, i64 capacity, "
+    "i64 cache_elems, u32* status"
+)
+_ROPE_TYPES = (
+    "T*", "i64", "i32", "i32", "i32", "i32", "i32", "T*", "i32", "void*", "i32", "T*", "T*",
+    "void*", "i64", "i32", "f64", "T*", "T*", "i64*", "void*", *["i64"] * 11, "u32*",
+)  # fmt: skip
+
+
+def _rope_cols(cols: int) -> str:
+    return (
+        f"const RopeCols<{cols}> oc{{N, q_out, q_out_tok, heads, kv_heads, dim, half, "
+        "interleaved, has_bias ? bias : nullptr, positions, pos_i64, cos_cache, sin_cache, "
+        "inv_freq, max_pos, mode, kcache, vcache, lengths, "
+        "reinterpret_cast<const int*>(block_table), table_cols, batch, seq, s_batch, s_token, "
+        "s_head, s_dim, s_page, page_size, capacity, cache_elems, status};"
+    )
+
+
+def _rope_finish(_y: Any, rows: np.ndarray, *params: Any) -> None:
+    """`kv_commit_rotary`'s twin on the q, k and v columns of the GEMV's product."""
+    (q_out, q_out_tok, heads, kv_heads, dim, half, interleaved, bias, has_bias) = params[:9]
+    packed, n = rows.reshape(-1), np.int64(rows.shape[1])
+    q_per, kv_per = int(heads) * int(dim), int(kv_heads) * int(dim)
+    tables, commit = params[9:17], params[17:]  # positions .. theta; the caches .. status
+    _rotary_commit_cpu(
+        q_out, q_out_tok, packed, n, heads, packed[q_per:], n, packed[q_per + kv_per :], n,
+        kv_heads, bias, has_bias, np.int64(0), np.int64(q_per), np.int64(q_per + kv_per),
+        *tables, dim, half, interleaved, *commit,  # type: ignore[call-arg]
+    )  # fmt: skip
+
+
+ROPE_GEMV_KERNELS = matmul.register_gemv_epilogue(
+    "rope",
+    (_ROPE_PARAMS, _rope_cols),
+    _ROPE_TYPES,
+    _rope_finish,
+    head=PRELUDE,
+    tail=ROPE_COLS,
+    options=EXACT_OPTIONS,  # sincosf as the rotary kernels compile it (theta tables)
+)
+
+
+def rope_epilogue(
+    key_cache: Buffer,
+    value_cache: Buffer,
+    lengths: Buffer,
+    q_out: Buffer,
+    positions: Buffer,
+    *,
+    batch: int,
+    seq: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    strides: KVStrides,
+    capacity: int,
+    cos_cache: Buffer | None = None,
+    sin_cache: Buffer | None = None,
+    max_positions: int = 0,
+    inv_freq: Buffer | None = None,
+    theta: float = 0.0,
+    rotary_dim: int = 0,
+    interleaved: int = 0,
+    bias: Buffer | None = None,
+    q_out_token_stride: int = 0,
+    block_table: Buffer | None = None,
+    table_cols: int = 0,
+    status: Buffer,
+) -> matmul.RopeEpilogue:
+    """`kv_commit_rotary` as the epilogue of the packed QKV projection's GEMV (`ep.kernels.matmul`
+    ``gemm``/``gemm_nbits``/``gemm_mxfp4``'s ``rope``): the projection's N = (heads + 2 kv_heads)
+    * head_dim outputs of each of its batch * seq rows are q, k and v (in that order, head by
+    head), ``bias`` (when given) is that projection's [N] bias. The arguments are
+    `kv_commit_rotary`'s without q, k and v; head_dim must be a multiple of 16 (the GEMV's column
+    groups hold whole pairs of one head). The GEMV then stores what the GEMV followed by
+    `kv_commit_rotary` stores, bitwise, and nothing at its own output."""
+    op = "KVCommitRotary"
+    need(
+        head_dim % 16 == 0,
+        op,
+        f"head_dim={head_dim}: the GEMV epilogue needs a multiple of 16; run the GEMV and "
+        "kv_commit_rotary",
+    )
+    q_per = heads * head_dim
+    columns = (heads + 2 * kv_heads) * head_dim
+    q_out_tok = q_out_token_stride or q_per
+    rc = _check_rotary_commit(
+        op, key_cache, value_cache, lengths, q_out, positions,
+        {"q_out": (q_out, q_out_tok, q_per)}, batch=batch, seq=seq, heads=heads,
+        kv_heads=kv_heads, head_dim=head_dim, strides=strides, capacity=capacity,
+        cos_cache=cos_cache, sin_cache=sin_cache, max_positions=max_positions, inv_freq=inv_freq,
+        theta=theta, rotary_dim=rotary_dim, interleaved=interleaved, bias=bias,
+        bias_offsets=(0, q_per, q_per + kv_heads * head_dim), block_table=block_table,
+        table_cols=table_cols, status=status,
+    )  # fmt: skip
+    args = (
+        q_out, q_out_tok, heads, kv_heads, head_dim, rc.half, interleaved,
+        bias if bias is not None else q_out, int(bias is not None), positions, rc.pos_i64,
+        rc.cos, rc.sin, rc.freq, rc.max_pos, rc.mode, float(theta), key_cache, value_cache,
+        lengths, rc.table, rc.cols, batch, seq, strides.batch, strides.token, strides.head,
+        strides.dim, strides.page, strides.page_size, capacity, key_cache.size, status,
+    )  # fmt: skip
+    return matmul.RopeEpilogue(
+        columns, batch * seq, args, (q_out, key_cache, value_cache, lengths, status)
+    )
 
 
 def _overlap(a: Buffer, b: Buffer) -> bool:

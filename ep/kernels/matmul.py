@@ -112,7 +112,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from importlib import resources
-from typing import Literal
+from typing import Any, Literal
 
 import ml_dtypes
 import numpy as np
@@ -230,9 +230,25 @@ _GEMV_ROWS = {
 _Q4_SIZES = "int M, int N, int K, int kb, int bs_shift"
 
 
-def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool, swiglu: bool = False) -> str:
-    """The split-K GEMV; ``swiglu``: its SwiGLU-epilogue twin (two more parameters: the outputs
-    a row, inter, and whether gate/up are interleaved)."""
+# An epilogue of the split-K GEMV: (the kernel's parameters after the flags, as C, and the
+# column map's declaration given the GEMV body's column-group width: 8 for `row_gemv`, 16 for
+# `row_gemv_wt`). The map (`PlainCols`, `SwigluCols` in the .cu) decides which weight row each
+# launch column reads and what the finishing block stores.
+GemvEpilogue = tuple[str, Callable[[int], str]]
+
+_SWIGLU_EPILOGUE: GemvEpilogue = (
+    ", int inter, int interleaved",
+    lambda cols: (
+        f"const epk::SwigluCols<{cols}> oc{{inter, interleaved ? 2 : 1, interleaved ? 1 : inter}};"
+    ),
+)
+
+
+def _gemv_entry(
+    fmt: str, name: str, unroll: int, fp32: bool, epilogue: GemvEpilogue | None = None
+) -> str:
+    """The split-K GEMV; with ``epilogue`` its twin with that column map and those parameters
+    (`GemvEpilogue`)."""
     sizes = _Q4_SIZES if fmt == "q4" else "int M, int N, int K"
     blocks = 3 if fmt in ("q4", "mx4") and not fp32 else 1  # 3 blocks an SM: <= 85 registers
     head = f'extern "C" __global__ void __launch_bounds__({_GEMV_THREADS}, {blocks}) {name}('
@@ -246,12 +262,8 @@ def _gemv_entry(fmt: str, name: str, unroll: int, fp32: bool, swiglu: bool = Fal
     # 4-bit and MXFP4 on tensor cores: the dequantized weights are the MMA's A operand.
     body = "row_gemv" if fp32 or fmt == "nk" else "row_gemv_wt"
     extra, cols = "", "const epk::PlainCols oc{N};"
-    if swiglu:  # groups of 8 columns (row_gemv) or 16 (row_gemv_wt): half gate, half up
-        extra = ", int inter, int interleaved"
-        cols = (
-            f"const epk::SwigluCols<{8 if body == 'row_gemv' else 16}> oc{{inter, "
-            "interleaved ? 2 : 1, interleaved ? 1 : inter};"
-        )
+    if epilogue is not None:  # column groups of 8 (row_gemv) or 16 (row_gemv_wt)
+        extra, cols = epilogue[0], epilogue[1](8 if body == "row_gemv" else 16)
     args = "(p, y, x, ws, counters, M, N, K, kw, gy, flags, oc);"
     if fmt == "nk":  # aligned rows and K % 32 == 0: the branch-free FULL loads (the .cu)
         call = (
@@ -466,28 +478,31 @@ def _twin(fmt: str, gemv: bool) -> Callable[..., None]:
     return _twin_q4(gemv) if fmt == "q4" else _twin_mx4(gemv)
 
 
-def _twin_swiglu(fmt: str) -> Callable[..., None]:
-    """The SwiGLU-epilogue GEMV: the GEMV's twin into a packed [M, N] row set, then
-    `ep.ops.mlp.swiglu` on its gate and up halves (or interleaved columns), as the unfused
-    MatMul and SwiGLUPacked twins compute them."""
+def _epilogue_twin(fmt: str, finish: Callable[..., None], extra: int) -> Callable[..., None]:
+    """The twin of a GEMV with an epilogue: the GEMV's twin into a packed [M, N] product, then
+    ``finish(y, product, *the epilogue's parameters)`` (the unfused op's twin on it)."""
     plain = _twin(fmt, True)
     at_m = _ARGS_BEFORE_WS[fmt] + 2  # M and N follow the workspace and the counters
 
-    def twin(*args: object) -> None:
-        *rest, inter_arg, interleaved = args
-        y = rest[0]
-        assert isinstance(y, np.ndarray)
-        M, N, inter = int(rest[at_m]), int(rest[at_m + 1]), int(inter_arg)  # type: ignore[call-overload]
+    def twin(*args: Any) -> None:
+        gemv, params = args[:-extra], args[-extra:]
+        y = gemv[0]
+        M, N = int(gemv[at_m]), int(gemv[at_m + 1])
         packed = np.empty(M * N, y.dtype)
-        plain(packed, *rest[1:])
-        rows = packed.reshape(M, N)
-        if interleaved:
-            gate, up = rows[:, 0::2], rows[:, 1::2]
-        else:
-            gate, up = rows[:, :inter], rows[:, inter:]
-        y[: M * inter] = mlp_ref.swiglu(gate, up).reshape(-1)
+        plain(packed, *gemv[1:])
+        finish(y, packed.reshape(M, N), *params)
 
     return twin
+
+
+def _swiglu_finish(y: np.ndarray, rows: np.ndarray, inter: Any, interleaved: Any) -> None:
+    """`ep.ops.mlp.swiglu` on the gate and up halves (or interleaved columns) of the product."""
+    inter = int(inter)
+    if interleaved:
+        gate, up = rows[:, 0::2], rows[:, 1::2]
+    else:
+        gate, up = rows[:, :inter], rows[:, inter:]
+    y[: rows.shape[0] * inter] = mlp_ref.swiglu(gate, up).reshape(-1)
 
 
 def _register() -> dict[str, KernelSource]:
@@ -517,20 +532,6 @@ def _register() -> dict[str, KernelSource]:
                         pdl_wait="kernel" if kind == "gemv" and fmt != "kn" else "entry",
                     )
                 )
-            if fmt != "kn":  # the split-K GEMV with a SwiGLU epilogue (`SwigluCols` in the .cu)
-                name = f"ep_gemv_{fmt}_swiglu_{suffix}"
-                entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, swiglu=True)
-                params = (*_GEMV_PARAMS[fmt], "i32", "i32")  # + inter, interleaved
-                out[name] = register_kernel(
-                    KernelSource(
-                        name=name,
-                        source=f"{body}\ntypedef {ctype} T;\n{entry}",
-                        params=tuple(p.replace("T*", f"{suffix}*") for p in params),
-                        options=options,
-                        cpu=_twin_swiglu(fmt),
-                        pdl_wait="kernel",
-                    )
-                )
             if fp32 or fmt == "kn":
                 continue
             # dense [N, K]: v2; q4/mx4: streaming and v2
@@ -548,6 +549,46 @@ def _register() -> dict[str, KernelSource]:
                         cpu=_twin(fmt, True),
                     )
                 )
+    # the split-K GEMV with a SwiGLU epilogue (`SwigluCols` in the .cu): + inter, interleaved
+    out.update(register_gemv_epilogue("swiglu", _SWIGLU_EPILOGUE, ("i32", "i32"), _swiglu_finish))
+    return out
+
+
+def register_gemv_epilogue(
+    kind: str,
+    epilogue: GemvEpilogue,
+    params: tuple[str, ...],
+    finish: Callable[..., None],
+    *,
+    head: str = "",
+    tail: str = "",
+    options: CompileOptions | None = None,
+) -> dict[str, KernelSource]:
+    """Register ``ep_gemv_<fmt>_<kind>_<dt>`` (nk, q4, mx4 × f32, f16, bf16): the split-K GEMV
+    with ``epilogue`` (`GemvEpilogue`) and its extra ``params`` after the flags; the CPU twin is
+    the GEMV's twin followed by ``finish(y, product [M, N], *params)``. ``head`` is compiled
+    before the kernels' .cu, ``tail`` after ``typedef T`` (the column map's device code);
+    `plan_matmul` (``epilogue=kind``) plans them at the plain split-K GEMV's K split."""
+    options = options or CompileOptions(cuda_headers=True)
+    body = head + SILU_MUL + _cuda_source()
+    out: dict[str, KernelSource] = {}
+    for suffix, ctype in _DTYPES.values():
+        fp32 = suffix == "f32"
+        for fmt in ("nk", "q4", "mx4"):
+            name = f"ep_gemv_{fmt}_{kind}_{suffix}"
+            entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, epilogue)
+            out[name] = register_kernel(
+                KernelSource(
+                    name=name,
+                    source=f"{body}\ntypedef {ctype} T;\n{tail}{entry}",
+                    params=tuple(
+                        p.replace("T*", f"{suffix}*") for p in (*_GEMV_PARAMS[fmt], *params)
+                    ),
+                    options=options,
+                    cpu=_epilogue_twin(fmt, finish, len(params)),
+                    pdl_wait="kernel",
+                )
+            )
     return out
 
 
@@ -662,7 +703,7 @@ def plan_matmul(
     split_n: int | None = None,
     aligned: bool = True,
     max_shared: int = _DEVICE_SHARED,
-    swiglu: bool = False,
+    epilogue: str | None = None,
 ) -> MatmulPlan:
     """The kernel and launch geometry for one call.
 
@@ -674,10 +715,10 @@ def plan_matmul(
     would choose them, so every column gets the arithmetic of the unsplit product. ``aligned``:
     the weight rows allow 16-byte loads (aligned base, row bytes a multiple of 16);
     ``max_shared``: a block's shared-memory limit on the device. Both only decide whether a v2
-    GEMV may run; `GEMV_ENV` ``=v1`` plans the earlier GEMVs only. ``swiglu``: the split-K GEMV
-    with a SwiGLU epilogue (``ep_gemv_<fmt>_swiglu_<dt>``, y [M, N/2]) at the K split the plain
-    split-K GEMV of these sizes gets (never a v2 or streaming GEMV; `_check_swiglu` says when it
-    applies).
+    GEMV may run; `GEMV_ENV` ``=v1`` plans the earlier GEMVs only. ``epilogue`` (``"swiglu"``,
+    ``"rope"``): the split-K GEMV with that epilogue (``ep_gemv_<fmt>_<epilogue>_<dt>``; SwiGLU:
+    y [M, N/2]; rope: `RopeEpilogue`) at the K split the plain split-K GEMV of these sizes gets
+    (never a v2 or streaming GEMV; `_check_epilogue` says when it applies).
     """
     found = _DTYPES.get(np.dtype(dtype))
     _need(
@@ -688,8 +729,8 @@ def plan_matmul(
     assert found is not None
     suffix = found[0]
     fp32 = suffix == "f32"
-    if swiglu:
-        _check_swiglu("matmul", fmt, M, N, split_n)
+    if epilogue is not None:
+        _check_epilogue("matmul", epilogue, fmt, M, N, split_n)
     if M > GEMV_MAX_ROWS:
         tiles_n, tiles_m = -(-N // 64), -(-M // 64)
         _need(tiles_m <= 65535, "matmul", f"M={M} needs {tiles_m} row tiles; at most 65535")
@@ -714,12 +755,12 @@ def plan_matmul(
         )  # fmt: skip
         whole = int(split_n)
     v2_skipped = ""
-    if fmt != "kn" and not fp32 and not swiglu:
+    if fmt != "kn" and not fp32 and epilogue is None:
         v2 = _plan_v2(fmt, suffix, M, N, whole, K, block_size, sm_count, aligned, max_shared)
         if isinstance(v2, MatmulPlan):
             return v2
         v2_skipped = f"; v2 not taken: {v2}"
-    if fmt in _STREAM_FORMATS and not fp32 and not swiglu:
+    if fmt in _STREAM_FORMATS and not fp32 and epilogue is None:
         stream = _plan_stream(fmt, suffix, N, whole, K, sm_count)
         if stream is not None:
             return replace(stream, reason=stream.reason + v2_skipped)
@@ -752,10 +793,12 @@ def plan_matmul(
         why += f"; K split of the whole {whole} columns"
     grid_x = -(-groups // (8 // kw))
     _need(grid_x <= 2**31 - 1, "matmul", f"N={N} needs {grid_x} blocks; too many")
-    if swiglu:
+    if epilogue == "swiglu":
         why += f"; SwiGLU epilogue: y is [M, {N // 2}]"
+    elif epilogue is not None:
+        why += f"; {epilogue} epilogue"
     return MatmulPlan(
-        f"ep_gemv_{fmt}_swiglu_{suffix}" if swiglu else f"ep_gemv_{fmt}_{suffix}",
+        f"ep_gemv_{fmt}_{epilogue}_{suffix}" if epilogue else f"ep_gemv_{fmt}_{suffix}",
         "gemv",
         (grid_x, gy, 1),
         _GEMV_THREADS,
@@ -772,26 +815,37 @@ def split_k_gemv(plan: MatmulPlan) -> bool:
     return plan.kind == "gemv" and plan.kernel.count("_") == 3
 
 
-def _check_swiglu(op: str, fmt: Format, M: int, N: int, split_n: int | None) -> None:
-    """The SwiGLU epilogue runs in the split-K GEMVs of dense [N, K], 4-bit and MXFP4 weights
-    over a whole packed gate/up weight whose halves fill whole 16-column groups."""
+_EPILOGUE_WHAT = {
+    "swiglu": ("a SwiGLU", "gate/up", "the SwiGLUPacked kernel"),
+    "rope": ("a rotary/KV-commit", "QKV", "the QKVRotaryCommit kernel"),
+}
+
+
+def _check_epilogue(op: str, kind: str, fmt: Format, M: int, N: int, split_n: int | None) -> None:
+    """The epilogues run in the split-K GEMVs of dense [N, K], 4-bit and MXFP4 weights over a
+    whole packed weight (SwiGLU: whose halves fill whole 16-column groups; rope: `RopeEpilogue`
+    checks its own columns)."""
+    _need(
+        kind in _EPILOGUE_WHAT, op, f"epilogue={kind!r}; expected one of {sorted(_EPILOGUE_WHAT)}"
+    )
+    a, what, unfused = _EPILOGUE_WHAT[kind]
     _need(
         fmt != "kn",
         op,
-        "a SwiGLU epilogue needs the weight as [N, K] (transpose_b=1); transpose it at load",
+        f"{a} epilogue needs the weight as [N, K] (transpose_b=1); transpose it at load",
     )
     _need(
         M <= GEMV_MAX_ROWS,
         op,
-        f"a SwiGLU epilogue runs in the GEMV only (M <= {GEMV_MAX_ROWS}); M={M}: run the GEMM "
-        "and the SwiGLUPacked kernel",
+        f"{a} epilogue runs in the GEMV only (M <= {GEMV_MAX_ROWS}); M={M}: run the GEMM "
+        f"and {unfused}",
     )
     _need(
-        N % 16 == 0,
+        kind != "swiglu" or N % 16 == 0,
         op,
-        f"a SwiGLU epilogue needs N (gate and up outputs) a multiple of 16; got N={N}",
+        f"{a} epilogue needs N (gate and up outputs) a multiple of 16; got N={N}",
     )
-    _need(split_n is None, op, "a SwiGLU epilogue needs the whole gate/up weight (no split_n)")
+    _need(split_n is None, op, f"{a} epilogue needs the whole {what} weight (no split_n)")
 
 
 def _plan_stream(
@@ -1010,18 +1064,80 @@ def _activation_dtype(op: str, x: object) -> np.dtype:
     return x.dtype
 
 
-def _out_cols(op: str, fmt: Format, swiglu: object, M: int, N: int, split_n: int | None) -> int:
-    """Output columns a row: N, or N / 2 with a SwiGLU epilogue (checked: `_check_swiglu`)."""
+@dataclass(frozen=True)
+class RopeEpilogue:
+    """A QKV projection's rotary embedding and KV commit run as its GEMV's epilogue
+    (``ep_gemv_<fmt>_rope_<dt>``), built and checked by `ep.kernels.attention.rope_epilogue`.
+
+    The weight's N = ``columns`` outputs are the packed [q | k | v] heads of ``head_dim``; the
+    finishing block of each pair of features stores q rotated into the epilogue's q buffer and
+    the rotated k and v into the caches, as `ep.kernels.attention.kv_commit_rotary` stores them
+    from the GEMV's output: the packed product never reaches memory. ``args``: the kernel's
+    parameters after the flags; ``writes``: the buffers it stores (never x nor a weight).
+    """
+
+    columns: int
+    tokens: int
+    args: tuple[object, ...]
+    writes: tuple[Buffer, ...]
+
+
+_Epilogue = tuple[str, tuple[object, ...]]  # (kind, the kernel's parameters after the flags)
+
+
+def _epilogue(
+    op: str,
+    fmt: Format,
+    swiglu: object,
+    rope: RopeEpilogue | None,
+    M: int,
+    N: int,
+    split_n: int | None,
+) -> tuple[int, _Epilogue | None]:
+    """Output columns a row (N; N / 2 with a SwiGLU epilogue; 0 with rope: nothing is stored at
+    out) and the checked epilogue (`_check_epilogue`)."""
+    if rope is not None:
+        _need(swiglu is None, op, "pass swiglu or rope, not both: one epilogue a GEMV")
+        _need(
+            isinstance(rope, RopeEpilogue),
+            op,
+            f"rope must be a RopeEpilogue (ep.kernels.attention.rope_epilogue), got "
+            f"{type(rope).__name__}",
+        )
+        _need(
+            rope.columns == N and rope.tokens == M,
+            op,
+            f"the rope epilogue covers {rope.tokens} tokens of {rope.columns} packed q/k/v "
+            f"columns; this GEMV has M={M}, N={N}",
+        )
+        _check_epilogue(op, "rope", fmt, M, N, split_n)
+        return 0, ("rope", rope.args)
     if swiglu is None:
-        return N
+        return N, None
     _need(
         swiglu in (0, 1) and not isinstance(swiglu, bool),
         op,
         f"swiglu={swiglu!r}; expected None (no epilogue), 0 ([gate | up] halves) or 1 "
         "(interleaved gate/up rows)",
     )
-    _check_swiglu(op, fmt, M, N, split_n)
-    return N // 2
+    _check_epilogue(op, "swiglu", fmt, M, N, split_n)
+    return N // 2, ("swiglu", (N // 2, swiglu))
+
+
+def _outputs(
+    op: str,
+    dev: Device,
+    out: Buffer,
+    elements: int,
+    dtype: np.dtype,
+    rope: RopeEpilogue | None,
+    inputs: dict[str, Buffer],
+) -> None:
+    """out holds ``elements`` of ``dtype``; neither it nor what a rope epilogue writes overlaps
+    an input."""
+    _buffer(op, dev, "out", out, elements, dtype)
+    for written in (out, *(rope.writes if rope is not None else ())):
+        _disjoint(op, written, inputs)
 
 
 def _x16(x: Buffer, K: int) -> int:
@@ -1060,12 +1176,12 @@ def _plan_and_launch(
     out: Buffer,
     stream: Stream,
     block_size: int = 32,
-    swiglu: int | None = None,
+    epilogue: _Epilogue | None = None,
 ) -> MatmulPlan:
     """Plan the call (`plan_matmul`) and launch it. ``args`` are the kernel's arguments before
     its flags; GEMV kernels also get (workspace, counters) after the weights and (kw, gy) before
-    the flags, and with ``swiglu`` (0 or 1: gate/up interleaved) (N / 2, swiglu) after them.
-    ``resident`` adds EPK_EARLY to ``flags`` (the module docstring)."""
+    the flags, and an ``epilogue``'s parameters after them. ``resident`` adds EPK_EARLY to
+    ``flags`` (the module docstring)."""
     flags |= _FLAG_EARLY if resident else 0
     plan = plan_matmul(
         fmt,
@@ -1079,7 +1195,7 @@ def _plan_and_launch(
         split_n=split_n,
         aligned=bool(flags & _FLAG_W16),
         max_shared=int(dev.limits["max_shared_mem"]),
-        swiglu=swiglu is not None,
+        epilogue=None if epilogue is None else epilogue[0],
     )
     kernel = dev.kernel(plan.kernel)
     if plan.kind == "gemv":
@@ -1087,8 +1203,8 @@ def _plan_and_launch(
         cnt: Buffer = workspace.counters if workspace is not None else out
         n_weights = _ARGS_BEFORE_WS[fmt]
         full = [*args[:n_weights], ws, cnt, *args[n_weights:], plan.kw, plan.gy, flags]
-        if swiglu is not None:
-            full += [N // 2, swiglu]
+        if epilogue is not None:
+            full += epilogue[1]
         kernel.launch(plan.grid, plan.block, *full, stream=stream, shared_mem=plan.shared)
     else:
         kernel.launch(plan.grid, plan.block, *args, flags, stream=stream)
@@ -1113,6 +1229,7 @@ def gemm(
     split_n: int | None = None,
     resident: bool = False,
     swiglu: int | None = None,
+    rope: RopeEpilogue | None = None,
 ) -> MatmulPlan:
     """``out[M, N] = x[M, K] @ W``: W is [K, N] (``transpose_b=0``) or [N, K] (``transpose_b=1``).
 
@@ -1123,7 +1240,10 @@ def gemm(
     rows are [gate | up] halves, 1: interleaved g0, u0, g1, ...): ``out[M, N/2]`` is
     ``SwiGLUPacked(x @ W, interleaved=swiglu)``, bitwise the GEMV followed by
     `ep.kernels.mlp.swiglu_packed` where the plain call plans the split-K GEMV (`_check_swiglu`:
-    M <= 16, W [N, K], N % 16 == 0). Returns the plan it ran.
+    M <= 16, W [N, K], N % 16 == 0). ``rope`` (`RopeEpilogue`, from
+    `ep.kernels.attention.rope_epilogue`): W is a packed QKV projection whose rotary embedding and
+    KV commit the GEMV stores instead of ``out`` (not written), bitwise the GEMV followed by
+    `ep.kernels.attention.kv_commit_rotary`, under the same conditions. Returns the plan it ran.
     """
     op = "gemm"
     _sizes(op, M=M, N=N, K=K)
@@ -1132,14 +1252,14 @@ def gemm(
     _buffer(op, dev, "x", x, M * K, dtype)
     _buffer(op, dev, "w", w, N * K, dtype)
     fmt: Format = "nk" if transpose_b else "kn"
-    _buffer(op, dev, "out", out, M * _out_cols(op, fmt, swiglu, M, N, split_n), dtype)
-    _disjoint(op, out, {"x": x, "w": w})
+    cols, epilogue = _epilogue(op, fmt, swiglu, rope, M, N, split_n)
+    _outputs(op, dev, out, M * cols, dtype, rope, {"x": x, "w": w})
     _check_workspace(op, dev, workspace)
     row = (K if transpose_b else N) * dtype.itemsize
     flags = _x16(x, K) | (_FLAG_W16 if w.ptr % 16 == 0 and row % 16 == 0 else 0)
     return _plan_and_launch(
         dev, fmt, dtype, [out, x, w, M, N, K], flags, M=M, N=N, K=K, workspace=workspace,
-        split_n=split_n, resident=resident, out=out, stream=stream, swiglu=swiglu,
+        split_n=split_n, resident=resident, out=out, stream=stream, epilogue=epilogue,
     )  # fmt: skip
 
 
@@ -1161,13 +1281,14 @@ def gemm_nbits(
     split_n: int | None = None,
     resident: bool = False,
     swiglu: int | None = None,
+    rope: RopeEpilogue | None = None,
 ) -> MatmulPlan:
     """``out = x @ dequantize(B)^T`` for MatMulNBits weights (`ep.ops.matmul.matmul_nbits`).
 
     b: uint8 [N, ceil(K/block_size), block_size/2]; scales: x's dtype [N * k_blocks];
     zero_points: uint8 [N, ceil(k_blocks/2)] packed two per byte, or None for zero point 8.
     ``split_n``: the three are rows of a weight of ``split_n`` rows (`plan_matmul`).
-    ``resident``: as in `gemm`, for b, scales and zero points. ``swiglu``: as in `gemm`.
+    ``resident``: as in `gemm`, for b, scales and zero points. ``swiglu``, ``rope``: as in `gemm`.
     """
     op = "gemm_nbits"
     _sizes(op, M=M, N=N, K=K, block_size=block_size)
@@ -1190,8 +1311,8 @@ def gemm_nbits(
         _buffer(op, dev, "zero_points", zero_points, N * ((k_blocks + 1) // 2), u8)
         inputs["zero_points"] = zero_points
         flags |= _FLAG_ZP
-    _buffer(op, dev, "out", out, M * _out_cols(op, "q4", swiglu, M, N, split_n), dtype)
-    _disjoint(op, out, inputs)
+    cols, epilogue = _epilogue(op, "q4", swiglu, rope, M, N, split_n)
+    _outputs(op, dev, out, M * cols, dtype, rope, inputs)
     _check_workspace(op, dev, workspace)
     if b.ptr % 16 == 0 and row_bytes % 16 == 0:
         flags |= _FLAG_W16
@@ -1202,7 +1323,7 @@ def gemm_nbits(
     return _plan_and_launch(
         dev, "q4", dtype, [out, x, b, scales, zp, M, N, K, k_blocks, shift], flags, M=M, N=N,
         K=K, block_size=block_size, workspace=workspace, split_n=split_n, resident=resident,
-        out=out, stream=stream, swiglu=swiglu,
+        out=out, stream=stream, epilogue=epilogue,
     )  # fmt: skip
 
 
@@ -1221,6 +1342,7 @@ def gemm_mxfp4(
     split_n: int | None = None,
     resident: bool = False,
     swiglu: int | None = None,
+    rope: RopeEpilogue | None = None,
 ) -> MatmulPlan:
     """``out = x @ dequantize_mxfp4(b, scales)^T`` (`ep.ops.matmul.matmul_mxfp4`).
 
@@ -1228,7 +1350,7 @@ def gemm_mxfp4(
     K must be a multiple of 32. For fp16 activations the dequantized weights are fp16, so a
     block whose scale puts them outside fp16's range overflows (as any fp16 product would).
     ``split_n``: b and scales are rows of a weight of ``split_n`` rows (`plan_matmul`).
-    ``resident``: as in `gemm`, for b and scales. ``swiglu``: as in `gemm`.
+    ``resident``: as in `gemm`, for b and scales. ``swiglu``, ``rope``: as in `gemm`.
     """
     op = "gemm_mxfp4"
     _sizes(op, M=M, N=N, K=K)
@@ -1238,12 +1360,12 @@ def gemm_mxfp4(
     _buffer(op, dev, "x", x, M * K, dtype)
     _buffer(op, dev, "b", b, N * K // 2, u8)
     _buffer(op, dev, "scales", scales, N * K // MXFP4_BLOCK, u8)
-    _buffer(op, dev, "out", out, M * _out_cols(op, "mx4", swiglu, M, N, split_n), dtype)
-    _disjoint(op, out, {"x": x, "b": b, "scales": scales})
+    cols, epilogue = _epilogue(op, "mx4", swiglu, rope, M, N, split_n)
+    _outputs(op, dev, out, M * cols, dtype, rope, {"x": x, "b": b, "scales": scales})
     _check_workspace(op, dev, workspace)
     flags = _x16(x, K) | (_FLAG_W16 if b.ptr % 16 == 0 else 0) | (_FLAG_W8 if b.ptr % 8 == 0 else 0)
     return _plan_and_launch(
         dev, "mx4", dtype, [out, x, b, scales, M, N, K], flags, M=M, N=N, K=K,
         workspace=workspace, split_n=split_n, resident=resident, out=out, stream=stream,
-        swiglu=swiglu,
+        epilogue=epilogue,
     )  # fmt: skip

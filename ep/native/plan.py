@@ -45,6 +45,7 @@ leading axis of the same row-major bytes), so a tied table is split once, for bo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -63,9 +64,9 @@ from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "SWIGLU_MIN_ROWS", "KVBinding", "StepPlan",
-           "WeightRead", "early_enabled", "fuse_enabled", "fuse_mlp_enabled", "split_specs",
-           "weight_reads"]  # fmt: skip
+__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "FUSE_QKV_ENV", "SWIGLU_MIN_ROWS",
+           "KVBinding", "StepPlan", "WeightRead", "early_enabled", "fuse_enabled",
+           "fuse_mlp_enabled", "fuse_qkv_enabled", "split_specs", "weight_reads"]  # fmt: skip
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
 _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no weight read
@@ -74,6 +75,7 @@ _KERNEL_INPUTS = {"KVCommit": 3, "KVCommitPaged": 3, "KVAttention": 3, "KVAttent
 _COMMITS = ("KVCommit", "KVCommitPaged")
 FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), for A/B runs
 FUSE_MLP_ENV = "GENAI_EP_FUSE_MLP"  # 0: no SwiGLU epilogue in the gate/up GEMV (A/B runs)
+FUSE_QKV_ENV = "GENAI_EP_FUSE_QKV"  # 0: the fused QKV commit is its own call, not a GEMV epilogue
 # Rows (batch x seq) from which a plan runs the gate/up GEMV with a SwiGLU epilogue. Both forms
 # store the same bits, so the choice may depend on M. Measured on the H200 (Qwen2.5-0.5B shape,
 # bf16, captured decode graph, ms a step, fused / GEMV then SwiGLUPacked, medians of 100
@@ -101,6 +103,12 @@ def fuse_mlp_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether plans that fuse also run a packed gate/up projection and its SwiGLUPacked as one
     GEMV with a SwiGLU epilogue (`FUSE_MLP_ENV`: unset or 1 yes, 0 no; an A/B of that fusion)."""
     return _switch(FUSE_MLP_ENV, "the GEMV, then SwiGLUPacked", "one GEMV", environ)
+
+
+def fuse_qkv_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether plans that fuse run a fused QKV commit as its projection's GEMV epilogue where
+    they can (`FUSE_QKV_ENV`: unset or 1 yes, 0 no; an A/B of that fusion)."""
+    return _switch(FUSE_QKV_ENV, "the projection, then the fused commit", "one GEMV", environ)
 
 
 def early_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -285,6 +293,17 @@ class _FetchingCall:
         return tuple(name for _, name in self._slots)
 
 
+def _with_rope(gemm: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``gemm(*args, **kwargs)``; with ``rope_<name>`` keywords (`StepPlan._bind_matmul`) the
+    GEMV runs `ep.kernels.attention.rope_epilogue` of them as its epilogue."""
+    rope = {key[5:]: kwargs.pop(key) for key in [k for k in kwargs if k.startswith("rope_")]}
+    if rope:
+        from ep.kernels import attention
+
+        kwargs["rope"] = attention.rope_epilogue(**rope)
+    return gemm(*args, **kwargs)
+
+
 class _PieceCall:
     """A node whose weights are held in pieces: per piece, fetch it, then run that piece's part.
 
@@ -346,10 +365,14 @@ class _QKVFusion:
     commit: Node
     first: int
     last: int
+    # the packed QKV projection, when the call is its GEMV with the chain as the epilogue
+    # (`StepPlan._with_projection`); ``first`` is then its index
+    projection: Node | None = None
 
     @property
     def nodes(self) -> tuple[Node, ...]:
-        return tuple(n for n in (self.add, self.q, self.k, self.commit) if n is not None)
+        chain = (self.projection, self.add, self.q, self.k, self.commit)
+        return tuple(n for n in chain if n is not None)
 
 
 @dataclass(frozen=True)
@@ -421,7 +444,7 @@ class StepPlan:
         self._infer()
         # the fused QKV commits (``fuse`` None: as `FUSE_ENV` says); the arena depends on them
         self.fuse = fuse_enabled() if fuse is None else fuse
-        self.fusions = self._qkv_fusions() if self.fuse else []
+        self.fusions = self._qkv_fusions(fuse_qkv_enabled()) if self.fuse else []
         self.mlp_fusions = self._swiglu_fusions() if self.fuse and fuse_mlp_enabled() else []
         self.early = early_enabled()  # resident weights loaded before a GEMV's PDL wait
         self._assign(tag)
@@ -712,6 +735,9 @@ class StepPlan:
             if isinstance(fusion, _SwigluFusion):
                 call: Callable[[], object] = self._bind_matmul(node, fusion.swiglu)
                 name = f"{node.op}+SwiGLUPacked:{node.name}"
+            elif fusion is not None and fusion.projection is not None:
+                call = self._bind_matmul(node, rope=self._commit_kwargs(fusion, kv))
+                name = f"{node.op}+QKVRotaryCommit:{fusion.commit.name}"
             elif fusion is not None:
                 call = self._bind_fusion(fusion, kv)
                 name = f"QKVRotaryCommit:{fusion.commit.name}"
@@ -776,7 +802,7 @@ class StepPlan:
     def _all_fusions(self) -> tuple[_QKVFusion | _SwigluFusion, ...]:
         return (*self.fusions, *self.mlp_fusions)
 
-    def _qkv_fusions(self) -> list[_QKVFusion]:
+    def _qkv_fusions(self, with_projection: bool) -> list[_QKVFusion]:
         """Every layer whose [bias Add ->] rotation pair -> KVCommit chain runs as one call.
 
         Per rotation pair (same op, positions, tables and attributes: `_rotary_pairs`): the
@@ -784,7 +810,8 @@ class StepPlan:
         commit takes the rotations' positions; q, k and v have one dtype, k and v one shape; no
         other working node runs between the chain's first and last node; and what the chain
         reads is made before it starts. The bias Add joins when q, k and v are views of its sum,
-        which nothing else reads, and its bias is a 1-D initializer over the last axis.
+        which nothing else reads, and its bias is a 1-D initializer over the last axis. With
+        ``with_projection`` the packed projection joins where it can (`_with_projection`).
         """
         nodes = self.program.nodes
         index = {n.name: i for i, n in enumerate(nodes)}
@@ -796,9 +823,93 @@ class StepPlan:
             fusion = self._qkv_fusion(
                 index[q_name], index[k.name], readers=readers, made=made, output=output
             )
+            if fusion is not None and with_projection:
+                fusion = self._with_projection(fusion, index=index, readers=readers, made=made)
             if fusion is not None:
                 found.append(fusion)
         return found
+
+    def _with_projection(
+        self,
+        fusion: _QKVFusion,
+        *,
+        index: dict[str, int],
+        readers: dict[str, list[tuple[int, int]]],
+        made: dict[str, int],
+    ) -> _QKVFusion:
+        """``fusion`` run as its packed QKV projection's GEMV with the chain as the epilogue
+        (`ep.kernels.attention.rope_epilogue`) where that is bitwise the two calls, else
+        ``fusion`` as it was: q, k and v are the projection's [q | k | v] columns in that order
+        (through the bias Add when it joined), which nothing else reads, with only views between
+        the projection and the chain; head_dim is a multiple of 16; the projection takes a
+        GEMV epilogue at this plan's rows (`_epilogue_gemv`); and neither its weights nor the
+        bias are streamed (the offload store's slots hold one node's weights at once)."""
+        nodes, values = self.program.nodes, self.values
+        q, k, commit, add = fusion.q, fusion.k, fusion.commit, fusion.add
+        qx, kx, vx = (values[n] for n in (q.inputs[0], k.inputs[0], commit.inputs[1]))
+        source = values[add.inputs[0]].base if add is not None else qx.base
+        if add is None:
+            chain = [(index[q.name], 0), (index[k.name], 0), (fusion.last, 1)]
+        else:
+            chain = [(fusion.first, 0)]
+        p = made.get(source, -1)
+        heads, kv_heads, dim = qx.shape[2], kx.shape[2], qx.shape[3]
+        if (
+            p < 0
+            or nodes[p].outputs[0] != source
+            or kx.base != qx.base
+            or vx.base != qx.base
+            or sorted(readers.get(source, [])) != sorted(chain)
+            or any(nodes[n].op not in _VIEWS for n in range(p + 1, fusion.first))
+        ):
+            return fusion
+        projection = nodes[p]
+        bias = () if add is None else (add.inputs[1],)
+        width = (heads + 2 * kv_heads) * dim
+        offsets = (qx.offset, kx.offset, vx.offset)
+        if (
+            dim % 16
+            or int(projection.attrs.get("N", -1)) != width
+            or offsets != (0, heads * dim, (heads + kv_heads) * dim)
+            or not qx.tok == kx.tok == vx.tok == width
+            or self._epilogue_gemv(projection) is None
+            or any(self._streamed(n) for n in (*projection.inputs[1:], *bias))
+        ):
+            return fusion
+        return dataclasses.replace(fusion, projection=projection, first=p)
+
+    def _epilogue_gemv(self, node: Node) -> tuple[int, int] | None:
+        """(M, N) of a MatMul / 4-bit MatMulNBits(ZP) that may run a GEMV epilogue here, else
+        None: a whole (not pieced) [N, K] or 4-bit weight, contiguous x, and at this plan's M
+        its plain plan the split-K GEMV (the epilogue kernels have its K split; a v2, streaming
+        or GEMM plan is left unfused)."""
+        from ep.kernels import matmul
+
+        if node.op not in ("MatMul", "MatMulNBits", "MatMulNBitsZP"):
+            return None
+        x = self.values[node.inputs[0]]
+        a = node.attrs
+        if x.tok != x.per_token():
+            return None
+        fmt: matmul.Format
+        if node.op == "MatMul":
+            fmt, k, block = "nk", x.shape[-1], 32
+            if int(a["transpose_b"]) != 1 or self._split(str(a["weight"])) is not None:
+                return None
+        else:
+            fmt, k, block = "q4", int(a["K"]), int(a["block_size"])
+            weights = node.inputs[1 : 4 if node.op == "MatMulNBitsZP" else 3]
+            if int(a["bits"]) != 4 or any(self._split(w) is not None for w in weights):
+                return None
+        n, m = int(a["N"]), x.size // k
+        if m > matmul.GEMV_MAX_ROWS:
+            return None
+        plain = matmul.plan_matmul(
+            fmt, x.dtype, M=m, N=n, K=k, block_size=block, workspace=self.matmul_workspace,
+            sm_count=matmul.sm_count(self.device),
+            max_shared=int(self.device.limits["max_shared_mem"]),
+        )  # fmt: skip
+        return (m, n) if matmul.split_k_gemv(plain) else None
 
     def _qkv_fusion(
         self,
@@ -858,17 +969,11 @@ class StepPlan:
     def _swiglu_fusions(self) -> list[_SwigluFusion]:
         """Every MatMul / 4-bit MatMulNBits whose output only a SwiGLUPacked reads, run as one
         GEMV with a SwiGLU epilogue where that is bitwise the two calls: the SwiGLUPacked is the
-        next working node, the projection is a whole (not pieced) [N, K] or 4-bit weight with
-        N % 16 == 0, and at this plan's M the projection alone would run the split-K GEMV (the
-        epilogue's kernel has its K split; a v2, streaming or GEMM plan is left unfused), and the
-        plan has at least `SWIGLU_MIN_ROWS` rows."""
-        from ep.kernels import matmul
-
+        next working node, the projection takes a GEMV epilogue (`_epilogue_gemv`) with N % 16
+        == 0, and the plan has at least `SWIGLU_MIN_ROWS` rows."""
         nodes, values = self.program.nodes, self.values
         output = values[self.program.output].base
         readers = self._readers()
-        sm_count = matmul.sm_count(self.device)
-        max_shared = int(self.device.limits["max_shared_mem"])
         found: list[_SwigluFusion] = []
         for i, node in enumerate(nodes):
             if node.op not in ("MatMul", "MatMulNBits", "MatMulNBitsZP"):
@@ -886,39 +991,21 @@ class StepPlan:
                 or any(nodes[n].op not in _VIEWS for n in range(i + 1, j))
             ):
                 continue
-            x = values[node.inputs[0]]
-            a = node.attrs
-            if x.tok != x.per_token():
-                continue
-            fmt: matmul.Format
-            if node.op == "MatMul":
-                fmt, k, block = "nk", x.shape[-1], 32
-                if int(a["transpose_b"]) != 1 or self._split(str(a["weight"])) is not None:
-                    continue
-            else:
-                fmt, k, block = "q4", int(a["K"]), int(a["block_size"])
-                weights = node.inputs[1 : 4 if node.op == "MatMulNBitsZP" else 3]
-                if int(a["bits"]) != 4 or any(self._split(w) is not None for w in weights):
-                    continue
-            n, m = int(a["N"]), x.size // k
-            if n % 16 or not SWIGLU_MIN_ROWS <= m <= matmul.GEMV_MAX_ROWS:
-                continue
-            plain = matmul.plan_matmul(
-                fmt, x.dtype, M=m, N=n, K=k, block_size=block, workspace=self.matmul_workspace,
-                sm_count=sm_count, max_shared=max_shared,
-            )  # fmt: skip
-            if matmul.split_k_gemv(plain):
+            sizes = self._epilogue_gemv(node)
+            if sizes is not None and sizes[0] >= SWIGLU_MIN_ROWS and sizes[1] % 16 == 0:
                 found.append(_SwigluFusion(node, act, i, j))
         return found
 
     def _unwritten(self, fusion: _QKVFusion | _SwigluFusion) -> list[str]:
-        """The storage a fusion never writes: the packed gate/up product; the rotated k, and
-        the biased sum when fused."""
+        """The storage a fusion never writes: the packed gate/up product; the rotated k, the
+        biased sum when fused, and the packed QKV product when the projection joined."""
         if isinstance(fusion, _SwigluFusion):
             return [self.values[fusion.matmul.outputs[0]].base]
         names = [self.values[fusion.k.outputs[0]].base]
         if fusion.add is not None:
             names.append(self.values[fusion.add.outputs[0]].base)
+        if fusion.projection is not None:
+            names.append(self.values[fusion.projection.outputs[0]].base)
         return names
 
     def _bias_ok(self, node: Node) -> bool:
@@ -952,6 +1039,24 @@ class StepPlan:
             inv_freq=self.inv_freq[key], theta=key[0], rotary_dim=rot, interleaved=interleaved
         )
 
+    def _commit_kwargs(self, fusion: _QKVFusion, kv: KVBinding) -> dict[str, Any]:
+        """What both forms of a fused QKV commit take (`ep.kernels.attention.kv_commit_rotary`
+        and `rope_epilogue`): the layer's caches, lengths, q's output, positions, shapes, the
+        bias when the Add joined, then the rotation's cos/sin tables (the unfused fetch order)."""
+        buf, values = self.buffer, self.values
+        q, k, commit, add = fusion.q, fusion.k, fusion.commit, fusion.add
+        qx, kx = values[q.inputs[0]], values[k.inputs[0]]
+        layer = int(commit.attrs["layer"])
+        return dict(
+            key_cache=kv.keys[layer], value_cache=kv.values[layer],
+            lengths=buf(commit.outputs[0]), q_out=buf(q.outputs[0]),
+            positions=buf(commit.inputs[2]), batch=self.batch, seq=self.seq, heads=qx.shape[2],
+            kv_heads=kx.shape[2], head_dim=qx.shape[3], strides=kv.strides,
+            capacity=kv.capacity, bias=None if add is None else buf(add.inputs[1]),
+            **self._rotary_args(q), q_out_token_stride=values[q.outputs[0]].tok,
+            block_table=kv.block_table, table_cols=kv.table_cols, status=self.status,
+        )  # fmt: skip
+
     def _bind_fusion(self, fusion: _QKVFusion, kv: KVBinding) -> Callable[[], object]:
         """``fusion`` as one `ep.kernels.attention.kv_commit_rotary` call (it fetches its
         weights in the unfused order: the bias, then the rotation's cos/sin tables)."""
@@ -963,7 +1068,7 @@ class StepPlan:
         qx, kx, vx = (values[n] for n in names)
         if add is None:
             q_src, k_src, v_src = (buf(n) for n in names)
-            bias, offsets = None, (0, 0, 0)
+            offsets = (0, 0, 0)
         else:
             # The views' places in the Add's sum are their places in its unbiased input (same
             # shape, contiguous: `_bind_node` checks the Add the same way).
@@ -976,38 +1081,36 @@ class StepPlan:
                 packed.view(packed.dtype, offset=o * item, name=f"{packed.name}+{o}")
                 for o in offsets
             )
-            bias = buf(add.inputs[1])
-        layer = int(commit.attrs["layer"])
         return functools.partial(
-            attention.kv_commit_rotary, self.device, kv.keys[layer], kv.values[layer],
-            buf(commit.outputs[0]), buf(q.outputs[0]), q_src, k_src, v_src, buf(commit.inputs[2]),
-            batch=self.batch, seq=self.seq, heads=qx.shape[2], kv_heads=kx.shape[2],
-            head_dim=qx.shape[3], strides=kv.strides, capacity=kv.capacity,
-            bias=bias, bias_offsets=offsets, **self._rotary_args(q), q_token_stride=qx.tok,
-            q_out_token_stride=values[q.outputs[0]].tok, k_token_stride=kx.tok,
-            v_token_stride=vx.tok, block_table=kv.block_table, table_cols=kv.table_cols,
-            status=self.status, stream=self.stream,
+            attention.kv_commit_rotary, self.device, q=q_src, k=k_src, v=v_src,
+            **self._commit_kwargs(fusion, kv), bias_offsets=offsets, q_token_stride=qx.tok,
+            k_token_stride=kx.tok, v_token_stride=vx.tok, stream=self.stream,
         )  # fmt: skip
 
-    def _bind_matmul(self, node: Node, swiglu: Node | None = None) -> Callable[[], object]:
+    def _bind_matmul(
+        self, node: Node, swiglu: Node | None = None, rope: dict[str, Any] | None = None
+    ) -> Callable[[], object]:
         """A MatMul / MatMulNBits(ZP) call; with ``swiglu`` (a `_SwigluFusion`'s SwiGLUPacked)
-        it writes that node's output through the GEMV's SwiGLU epilogue instead."""
+        it writes that node's output through the GEMV's SwiGLU epilogue instead, with ``rope``
+        (`_commit_kwargs`) the fused QKV commit through its rotary/KV-commit epilogue."""
         from ep.kernels import matmul
 
         a, ins, buf = node.attrs, node.inputs, self.buffer
         x = self._contiguous(node, ins[0])
-        out = buf((swiglu or node).outputs[0])
+        out = rope["q_out"] if rope is not None else buf((swiglu or node).outputs[0])
         epilogue = None if swiglu is None else int(swiglu.attrs["interleaved"])
         common: dict[str, Any] = dict(
             N=int(a["N"]), stream=self.stream, workspace=self.matmul_workspace, swiglu=epilogue
         )
+        if rope is not None:  # top-level keywords: a deferred bias or table is fetched too
+            common.update({f"rope_{key}": value for key, value in rope.items()})
         # A weight bound once is resident: no kernel writes it, so the GEMV may load it before
         # it waits for the previous kernel (`ep.kernels.matmul`, "Resident weights").
         if node.op == "MatMul":
             k = x.shape[-1]
             w = self._weight(str(a["weight"]))
             return functools.partial(
-                matmul.gemm, self.device, out, buf(ins[0]), w, M=x.size // k, K=k,
+                _with_rope, matmul.gemm, self.device, out, buf(ins[0]), w, M=x.size // k, K=k,
                 transpose_b=int(a["transpose_b"]),
                 resident=self.early and not isinstance(w, _Deferred), **common,
             )  # fmt: skip
@@ -1015,10 +1118,14 @@ class StepPlan:
         packed, scales = buf(ins[1]), buf(ins[2])
         fetched = any(isinstance(w, _Deferred) for w in (packed, scales, zp))
         return functools.partial(
-            matmul.gemm_nbits, self.device, out, buf(ins[0]), packed, scales, zp,
+            _with_rope, matmul.gemm_nbits, self.device, out, buf(ins[0]), packed, scales, zp,
             M=x.size // int(a["K"]), K=int(a["K"]), block_size=int(a["block_size"]),
             bits=int(a["bits"]), resident=self.early and not fetched, **common,
         )  # fmt: skip
+
+    def _streamed(self, name: str) -> bool:
+        streamed = getattr(self.weights, "streamed", None)
+        return streamed is not None and streamed(self.aliases.get(name, name))
 
     def _split(self, name: str) -> SplitWeight | None:
         split = getattr(self.weights, "split", None)

@@ -100,6 +100,11 @@ class OffloadedWeights:
         """The pieces of a weight the store holds in pieces; None for a whole weight."""
         return self._splits.get(name)
 
+    def streamed(self, name: str) -> bool:
+        """Whether the store streams or caches ``name`` (fetched by its call at every step; a
+        call holds at most ``slots - 1`` such weights at once)."""
+        return name in self._names and self.store.layout.placements[name] != "resident"
+
     def _whole(self, name: str) -> None:
         split = self._splits.get(name)
         if split is not None:

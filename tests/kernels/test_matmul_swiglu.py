@@ -10,22 +10,14 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 import pytest
+from gemv_case import GemvCase
 
 from ep.device import Buffer, Device
 from ep.errors import KernelArgumentError
 from ep.kernels import matmul
-from ep.kernels.matmul import (
-    MatmulPlan,
-    MatmulWorkspace,
-    gemm,
-    gemm_mxfp4,
-    gemm_nbits,
-    matmul_workspace,
-    plan_matmul,
-)
+from ep.kernels.matmul import MatmulPlan, MatmulWorkspace, gemm, matmul_workspace, plan_matmul
 from ep.kernels.mlp import swiglu_packed
 from ep.ops import mlp as mlp_ref
-from ep.ops.matmul import dequantize_mxfp4, dequantize_nbits, quantize_mxfp4, quantize_nbits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float32), np.dtype(np.float16), BF16]
@@ -36,53 +28,8 @@ Upload = Callable[..., Buffer]
 Poison = Callable[[Buffer], None]
 
 
-class _Case:
-    """One packed gate/up weight of ``fmt`` on ``dev`` and the calls that run it."""
-
-    def __init__(
-        self,
-        dev: Device,
-        rng: np.random.Generator,
-        upload: Upload,
-        fmt: str,
-        dtype: np.dtype,
-        N: int,
-        K: int,
-    ) -> None:
-        self.dev, self.fmt, self.dtype, self.N, self.K = dev, fmt, dtype, N, K
-        w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
-        if fmt == "nk":
-            self.dense = w.astype(dtype)
-            self.weights = [upload(dev, self.dense)]
-        elif fmt.startswith("q4"):
-            b, scales, zp = quantize_nbits(w, block_size=32, zero_point=fmt == "q4-zp")
-            self.dense = dequantize_nbits(b, scales.astype(dtype), zp, K=K, N=N, block_size=32)
-            self.weights = [upload(dev, b), upload(dev, scales.astype(dtype))]
-            self.weights.append(upload(dev, zp) if zp is not None else None)
-        else:
-            b, scales = quantize_mxfp4(w)
-            self.dense = dequantize_mxfp4(b, scales)
-            self.weights = [upload(dev, b), upload(dev, scales)]
-
-    def run(
-        self,
-        out: Buffer,
-        x: Buffer,
-        M: int,
-        ws: MatmulWorkspace | None,
-        swiglu: int | None = None,
-    ) -> MatmulPlan:
-        dev, s, N, K = self.dev, self.dev.default_stream, self.N, self.K
-        common = dict(M=M, N=N, K=K, stream=s, workspace=ws, swiglu=swiglu)
-        if self.fmt == "nk":
-            return gemm(dev, out, x, self.weights[0], transpose_b=1, **common)
-        if self.fmt.startswith("q4"):
-            return gemm_nbits(dev, out, x, *self.weights, block_size=32, **common)
-        return gemm_mxfp4(dev, out, x, *self.weights, **common)
-
-
 def _fused_and_chain(
-    case: _Case, x: np.ndarray, ws: MatmulWorkspace | None, interleaved: int, poison: Poison,
+    case: GemvCase, x: np.ndarray, ws: MatmulWorkspace | None, interleaved: int, poison: Poison,
     upload: Upload,
 ) -> tuple[np.ndarray, np.ndarray, MatmulPlan, MatmulPlan]:  # fmt: skip
     """(fused output, GEMV-then-SwiGLUPacked output, fused plan, plain plan) for rows ``x``."""
@@ -116,7 +63,7 @@ def test_swiglu_epilogue_is_bitwise_the_gemv_then_swiglu_packed(
     """Every batch size of the GEMV (1, 5, 16), with the K split over warps only (no workspace)
     and over blocks (a workspace: gy > 1, the last block finishes the pairs)."""
     K, N = (2048, 96) if split == "split-k" else (320, 208)
-    case = _Case(device, rng, upload, fmt, dtype, N, K)
+    case = GemvCase(device, rng, upload, fmt, dtype, N, K)
     ws = None
     if split == "split-k":
         ws = matmul_workspace(device, stream=device.default_stream, floats=1 << 18, counters=1024)
@@ -146,7 +93,7 @@ def test_swiglu_epilogue_on_the_mlp_shape_of_qwen_0_5b(
     """The model's gate/up projection (K 896, N 2 x 4864), bf16, in the workspace the native
     executor gives it; a captured graph replays the fused call to the same bits."""
     dev, s = cuda_device, cuda_device.default_stream
-    case = _Case(dev, rng, upload, fmt, BF16, 9728, 896)
+    case = GemvCase(dev, rng, upload, fmt, BF16, 9728, 896)
     ws = matmul_workspace(dev, stream=s)
     for M in (1, 16):
         x = rng.standard_normal((M, 896)).astype(np.float32).astype(BF16)
@@ -167,14 +114,14 @@ def test_swiglu_plan_keeps_the_plain_k_split_and_never_takes_v2(cpu_device: Devi
     ws = matmul_workspace(cpu_device, stream=cpu_device.default_stream)
     for fmt, N, K in (("nk", 9728, 896), ("q4", 9728, 896), ("mx4", 1152, 896)):
         plain = plan_matmul(fmt, BF16, M=1, N=N, K=K, workspace=ws)
-        fused = plan_matmul(fmt, BF16, M=1, N=N, K=K, workspace=ws, swiglu=True)
+        fused = plan_matmul(fmt, BF16, M=1, N=N, K=K, workspace=ws, epilogue="swiglu")
         assert matmul.split_k_gemv(plain) and not matmul.split_k_gemv(fused)
         assert fused.kernel == f"ep_gemv_{fmt}_swiglu_bf16"
         assert (fused.kw, fused.gy, fused.grid) == (plain.kw, plain.gy, plain.grid)
         assert "SwiGLU epilogue" in fused.reason
     # The vocabulary-sized 4-bit weight plans v2 alone; its epilogue form is the split-K GEMV.
     v2 = plan_matmul("q4", BF16, M=1, N=151936, K=896, workspace=ws)
-    fused = plan_matmul("q4", BF16, M=1, N=151936, K=896, workspace=ws, swiglu=True)
+    fused = plan_matmul("q4", BF16, M=1, N=151936, K=896, workspace=ws, epilogue="swiglu")
     assert "_v2_" in v2.kernel and fused.kernel == "ep_gemv_q4_swiglu_bf16"
     assert not matmul.split_k_gemv(v2)
 
@@ -203,4 +150,4 @@ def test_swiglu_epilogue_refuses_what_it_cannot_run(
     small = dev.alloc((1, N // 2 - 1), np.float32, stream=s, name="small")
     refused(r"out 'small' holds 31 elements; these sizes need 32", swiglu=0, out=small)
     with pytest.raises(KernelArgumentError, match=r"matmul: a SwiGLU epilogue runs in the GEMV"):
-        plan_matmul("nk", np.dtype(np.float32), M=20, N=N, K=K, swiglu=True)
+        plan_matmul("nk", np.dtype(np.float32), M=20, N=N, K=K, epilogue="swiglu")

@@ -37,7 +37,7 @@ from ep.kernels import matmul
 from ep.model import DecoderModel, load_model
 from ep.native import NativeBackend, as_ep_model
 from ep.native import plan as plan_module
-from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, SWIGLU_MIN_ROWS, StepPlan
+from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, FUSE_QKV_ENV, SWIGLU_MIN_ROWS, StepPlan
 from ep.native.program import Node, Program, load_program
 from ep.seams import KVLayout
 from ep_builtin.capture_warmup import WarmupCapture
@@ -108,17 +108,19 @@ def run(
     *,
     fuse: bool,
     fuse_mlp: bool = True,
+    fuse_qkv: bool = False,
     program: Program | None = None,
     capture: bool = False,
     offload: Any = None,
     device: str = "cpu",
 ) -> Run:
-    """Greedy ``STEPS`` steps with the fusions on or off (``fuse_mlp``: the SwiGLU epilogue, when
-    ``fuse``); ``program`` replaces the model's graph, ``offload`` (a policy) places the weights
-    in a store at a 100 % budget."""
+    """Greedy ``STEPS`` steps with the fusions on or off (``fuse_mlp``: the SwiGLU epilogue,
+    ``fuse_qkv``: the QKV projection's commit epilogue, when ``fuse``); ``program`` replaces the
+    model's graph, ``offload`` (a policy) places the weights in a store at a 100 % budget."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(FUSE_ENV, "1" if fuse else "0")
         mp.setenv(FUSE_MLP_ENV, "1" if fuse_mlp else "0")
+        mp.setenv(FUSE_QKV_ENV, "1" if fuse_qkv else "0")
         mp.setattr(plan_module, "SWIGLU_MIN_ROWS", 1)  # the epilogue at every GEMV plan
         backend = NativeBackend(
             model, LAYOUTS[layout](), capture=WarmupCapture(steps=1) if capture else None,
@@ -505,3 +507,158 @@ def test_cuda_swiglu_epilogue_is_the_unfused_bits(
         unfused = run(model, "seq_major_fixed", prompts, fuse=True, fuse_mlp=False, device="cuda")
         fused = run(model, "seq_major_fixed", prompts, fuse=True, device="cuda", capture=capture)
         assert_mlp_fused(fused, unfused, model.num_layers)
+
+
+# --- the QKV projection's GEMV with the fused commit as its epilogue ----------------------------
+
+FUSED_QKV = "+QKVRotaryCommit"  # "MatMul+QKVRotaryCommit" or "MatMulNBits+QKVRotaryCommit"
+
+
+def assert_qkv_fused(fused: Run, unfused: Run, layers: int) -> None:
+    """Bitwise the same logits as the fused commit after its own projection call; a plan of up
+    to 16 rows runs one call a layer for both, whose packed product gets no arena bytes; a
+    larger plan (the GEMM) keeps two."""
+    assert np.array_equal(fused.logits, unfused.logits)
+    assert len(fused.plans) == len(unfused.plans) >= 2
+    for on, off in zip(fused.plans, unfused.plans, strict=True):
+        counts = op_counts(on)
+        joined = [f for f in on.fusions if f.projection is not None]
+        assert not any(f.projection is not None for f in off.fusions)
+        assert len(on.fusions) == len(off.fusions) == layers
+        if on.batch * on.seq > 16:
+            assert joined == [] and counts == op_counts(off)
+            continue
+        assert len(joined) == layers
+        assert sum(n for op, n in counts.items() if op.endswith(FUSED_QKV)) == layers
+        assert FUSED not in counts
+        assert len(on.call_names) == len(off.call_names) - layers
+        packed = {on.values[f.projection.outputs[0]].base for f in joined if f.projection}
+        assert packed.isdisjoint(on.offsets) and packed <= set(off.offsets)
+
+
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["solo", "batch4"])
+@pytest.mark.parametrize("model_name", ["genai_ep", "qwen_fp32", "qwen_bf16", "qwen_int4"])
+def test_qkv_epilogue_is_the_unfused_bits(
+    request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str,
+    prompts: list[list[int]],
+) -> None:  # fmt: skip
+    """Without a bias (genai: Rotary over caches) and with one (Qwen), dense and 4-bit."""
+    model = (
+        request.getfixturevalue(model_name)
+        if model_name == "genai_ep"
+        else qwen(model_name.split("_")[1])
+    )
+    program = _prepacked(model)
+    unfused = run(model, "seq_major", prompts, fuse=True, program=program)
+    fused = run(model, "seq_major", prompts, fuse=True, fuse_qkv=True, program=program)
+    assert_qkv_fused(fused, unfused, model.num_layers)
+    alone = run(model, "seq_major", prompts, fuse=False, program=program)
+    assert np.array_equal(alone.logits, fused.logits)
+
+
+@pytest.mark.parametrize("layout", ["head_major", "seq_major_fixed", "paged"])
+def test_qkv_epilogue_in_every_layout_captured_and_streamed(
+    qwen: Callable[[str], DecoderModel], layout: str
+) -> None:
+    """Each layout's strides, captured; with every weight streamed by the store the projection
+    keeps its own call (a store's slots hold one node's weights at once), still bitwise."""
+    model = qwen("bf16")
+    program = _prepacked(model)
+    unfused = run(model, layout, PROMPTS[:3], fuse=True, program=program)
+    fused = run(model, layout, PROMPTS[:3], fuse=True, fuse_qkv=True, program=program,
+                capture=True)  # fmt: skip
+    assert_qkv_fused(fused, unfused, model.num_layers)
+    streamed = run(model, layout, PROMPTS[:3], fuse=True, fuse_qkv=True, program=program,
+                   offload=StreamPolicy())  # fmt: skip
+    assert np.array_equal(streamed.logits, unfused.logits)
+    for plan in streamed.plans:
+        assert len(plan.fusions) == model.num_layers
+        assert all(f.projection is None for f in plan.fusions)
+
+
+def _qkv_projection(program: Program) -> Node:
+    """Layer 0's packed QKV projection (what its bias Add reads)."""
+    add = _nodes(program, "Add")[0]
+    return next(n for n in program.nodes if add.inputs[0] in n.outputs)
+
+
+def _assert_qkv_not_joined_in_layer_0(model: DecoderModel, program: Program) -> None:
+    """Layer 0's projection keeps its own call (still right); layer 1's joins."""
+    unfused = run(model, "seq_major", PROMPTS[:1], fuse=True, program=program)
+    fused = run(model, "seq_major", PROMPTS[:1], fuse=True, fuse_qkv=True, program=program)
+    assert np.array_equal(fused.logits, unfused.logits)
+    layer0 = _qkv_projection(program)
+    for plan in fused.plans:
+        joined = [f.projection.name for f in plan.fusions if f.projection is not None]
+        assert layer0.name not in joined and len(joined) == 1
+
+
+def test_packed_qkv_read_twice_keeps_the_projection_call(
+    qwen: Callable[[str], DecoderModel],
+) -> None:
+    program = _prepacked(qwen("fp32"))
+    proj = _qkv_projection(program)
+    extra = Node("Add", "extra/add", (proj.outputs[0], _nodes(program, "Add")[0].inputs[1]),
+                 ("extra/sum",), {})  # fmt: skip
+    _assert_qkv_not_joined_in_layer_0(qwen("fp32"), _insert_after(program, proj, extra))
+
+
+def test_a_working_node_after_the_projection_keeps_its_call(
+    qwen: Callable[[str], DecoderModel],
+) -> None:
+    program = _prepacked(qwen("fp32"))
+    proj = _qkv_projection(program)
+    norm = _nodes(program, "RMSNorm")[0]  # again: a working node between projection and chain
+    extra = Node(norm.op, "extra/norm", norm.inputs, ("extra/normed",), dict(norm.attrs))
+    _assert_qkv_not_joined_in_layer_0(qwen("fp32"), _insert_after(program, proj, extra))
+
+
+def test_what_would_not_run_the_split_k_gemv_or_split_a_pair_keeps_two_calls(
+    qwen: Callable[[str], DecoderModel], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A projection whose plain plan is not the split-K GEMV, a head_dim the GEMV's column
+    groups cannot hold in whole pairs, [K, N] weights and the switch: no projection joins; a
+    bad switch value is refused."""
+    model = qwen("fp32")
+
+    def joined(backend: NativeBackend, rows: int) -> int:
+        return sum(f.projection is not None for f in backend._plan(rows, 1).fusions)
+
+    backend = NativeBackend(model, HeadMajorLayout())
+    assert joined(backend, 1) == 0  # [K, N]: the CPU device's own load
+    backend.program = _prepacked(model)
+    assert joined(backend, 2) == model.num_layers
+    with monkeypatch.context() as mp:
+        mp.setattr(matmul, "split_k_gemv", lambda plan: False)
+        assert joined(backend, 3) == 0
+    spec = dataclasses.replace(QWEN, num_heads=8, head_dim=8, qkv_bias=True, model_type="qwen2")
+    build_model(spec, random_weights(spec, seed=3), flavour="ep", out_dir=tmp_path)
+    narrow = NativeBackend(load_model(tmp_path), HeadMajorLayout())
+    narrow.program = _prepacked(load_model(tmp_path))
+    assert len(narrow._plan(1, 1).fusions) == spec.num_layers and joined(narrow, 2) == 0
+    monkeypatch.setenv(FUSE_QKV_ENV, "0")
+    assert joined(backend, 4) == 0
+    monkeypatch.setenv(FUSE_QKV_ENV, "yes")
+    with pytest.raises(ConfigError, match=r"GENAI_EP_FUSE_QKV='yes'; expected 0 .* or 1"):
+        backend._plan(5, 1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_name", ["qwen_bf16", "qwen_int4", "genai_ep"])
+def test_cuda_qkv_epilogue_is_the_unfused_bits(
+    request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str
+) -> None:
+    """On the GPU (the device prepacks): three prompts captured, and solo."""
+    ok, reason = cuda_available()
+    if not ok:
+        pytest.skip(reason)
+    model = (
+        request.getfixturevalue(model_name)
+        if model_name == "genai_ep"
+        else qwen(model_name.split("_")[1])
+    )
+    for prompts, capture in ((PROMPTS[:3], True), (PROMPTS[1:2], False)):
+        unfused = run(model, "seq_major_fixed", prompts, fuse=True, device="cuda")
+        fused = run(model, "seq_major_fixed", prompts, fuse=True, fuse_qkv=True, device="cuda",
+                    capture=capture)  # fmt: skip
+        assert_qkv_fused(fused, unfused, model.num_layers)

@@ -1,0 +1,61 @@
+"""A GEMV weight of every format for the kernel tests of the GEMV epilogues."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ep.device import Buffer, Device
+from ep.kernels.matmul import MatmulPlan, MatmulWorkspace, gemm, gemm_mxfp4, gemm_nbits
+from ep.ops.matmul import dequantize_mxfp4, dequantize_nbits, quantize_mxfp4, quantize_nbits
+
+Upload = Callable[..., Buffer]
+
+
+class GemvCase:
+    """One [N, K] weight of ``fmt`` (nk, q4, q4-zp, mx4) on ``dev``, its dequantized values
+    (``dense``), and the GEMV call that runs it."""
+
+    def __init__(
+        self,
+        dev: Device,
+        rng: np.random.Generator,
+        upload: Upload,
+        fmt: str,
+        dtype: np.dtype,
+        N: int,
+        K: int,
+    ) -> None:
+        self.dev, self.fmt, self.dtype, self.N, self.K = dev, fmt, dtype, N, K
+        w = (rng.standard_normal((N, K)) / np.sqrt(K)).astype(np.float32)
+        if fmt == "nk":
+            self.dense = w.astype(dtype)
+            self.weights = [upload(dev, self.dense)]
+        elif fmt.startswith("q4"):
+            b, scales, zp = quantize_nbits(w, block_size=32, zero_point=fmt == "q4-zp")
+            self.dense = dequantize_nbits(b, scales.astype(dtype), zp, K=K, N=N, block_size=32)
+            self.weights = [upload(dev, b), upload(dev, scales.astype(dtype))]
+            self.weights.append(upload(dev, zp) if zp is not None else None)
+        else:
+            b, scales = quantize_mxfp4(w)
+            self.dense = dequantize_mxfp4(b, scales)
+            self.weights = [upload(dev, b), upload(dev, scales)]
+
+    def run(
+        self,
+        out: Buffer,
+        x: Buffer,
+        M: int,
+        ws: MatmulWorkspace | None,
+        **epilogue: Any,
+    ) -> MatmulPlan:
+        """``out = x @ W^T`` for M rows (``epilogue``: `gemm`'s ``swiglu`` or ``rope``)."""
+        dev, s, N, K = self.dev, self.dev.default_stream, self.N, self.K
+        common = dict(M=M, N=N, K=K, stream=s, workspace=ws, **epilogue)
+        if self.fmt == "nk":
+            return gemm(dev, out, x, self.weights[0], transpose_b=1, **common)
+        if self.fmt.startswith("q4"):
+            return gemm_nbits(dev, out, x, *self.weights, block_size=32, **common)
+        return gemm_mxfp4(dev, out, x, *self.weights, **common)
