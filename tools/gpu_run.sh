@@ -62,9 +62,12 @@ if want tests; then
         --junitxml="$out/pytest-cuda.xml" ${TESTS:-tests}
     cuda_rc=$?
 fi
-if want profile; then  # batch 1 and 16, then A/Bs: no fusions, no SwiGLU epilogue, no early loads
+if want profile; then  # batch 1 and 16, then A/Bs: no fusions, no SwiGLU / QKV-commit epilogue,
+    # no early loads
     TAIL=40 stage 90 profile python3 tools/profile_native.py --batch 1,16 --out "$out"
-    mkdir -p "$out/unfused" "$out/mlp-off" "$out/late"
+    mkdir -p "$out/unfused" "$out/mlp-off" "$out/qkv-off" "$out/late"
+    GENAI_EP_FUSE_QKV=0 TAIL=24 stage 90 profile-qkv-off python3 tools/profile_native.py \
+        --batch 1,16 --out "$out/qkv-off"
     GENAI_EP_FUSE=0 TAIL=12 stage 60 profile-unfused python3 tools/profile_native.py --batch 1 \
         --loop 0 --out "$out/unfused"
     GENAI_EP_FUSE_MLP=0 TAIL=24 stage 90 profile-mlp-off python3 tools/profile_native.py \
