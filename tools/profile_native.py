@@ -20,11 +20,12 @@ capture policy, then
     python3 tools/profile_native.py --out DIR      # on the H200: DIR/profile_native.json
 
 A/B of the fusions (one call from the QKV projection's bias to the KV commit, op type
-``QKVRotaryCommit``; the gate/up GEMV with a SwiGLU epilogue, ``MatMul+SwiGLUPacked``):
-``GENAI_EP_FUSE=0 python3 tools/profile_native.py --out DIR_OFF`` binds each node on its own,
-``GENAI_EP_FUSE_MLP=0`` keeps only the SwiGLU epilogue off; the JSON records which (``fuse``,
-``fuse_mlp``). A/B of the GEMVs' early weight loads (resident weights loaded before each GEMV's
-PDL wait): ``GENAI_EP_EARLY=0`` (``early``).
+``QKVRotaryCommit``, and with the projection's GEMV, ``MatMul+QKVRotaryCommit``; the gate/up GEMV
+with a SwiGLU epilogue, ``MatMul+SwiGLUPacked``): ``GENAI_EP_FUSE=0 python3
+tools/profile_native.py --out DIR_OFF`` binds each node on its own, ``GENAI_EP_FUSE_MLP=0`` keeps
+only the SwiGLU epilogue off, ``GENAI_EP_FUSE_QKV=0`` only the projection's commit epilogue; the
+JSON records which (``fuse``, ``fuse_mlp``, ``fuse_qkv``). A/B of the GEMVs' early weight loads
+(resident weights loaded before each GEMV's PDL wait): ``GENAI_EP_EARLY=0`` (``early``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
     paired: set[str] = set()  # the commit + attention groups: two calls per counted call
     for name, call in zip(names, calls, strict=True):
         op = name.split(":")[0]
-        if op in COMMITS:
+        if op in COMMITS or op.endswith("+QKVRotaryCommit"):  # the commit in a GEMV epilogue
             commit = (op, call)
         if op in ATTENTIONS and commit is not None:
             paired.add(f"{commit[0]}+{op}")
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ep.model import load_model
     from ep.native import NativeBackend
-    from ep.native.plan import early_enabled, fuse_enabled, fuse_mlp_enabled
+    from ep.native.plan import early_enabled, fuse_enabled, fuse_mlp_enabled, fuse_qkv_enabled
     from ep_builtin.capture_warmup import WarmupCapture
     from ep_builtin.kv_seq_major import SeqMajorLayout
 
@@ -188,11 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     fuse = fuse_enabled()
     fuse_mlp = fuse and fuse_mlp_enabled()
+    fuse_qkv = fuse and fuse_qkv_enabled()
     early = "on" if early_enabled() else "off (GENAI_EP_EARLY=0)"
     mlp = "on" if fuse_mlp else ("off (GENAI_EP_FUSE_MLP=0)" if fuse else "off")
-    print(f"fused QKV commit: {'on' if fuse else 'off (GENAI_EP_FUSE=0)'}; gate/up GEMV with a "
-          f"SwiGLU epilogue: {mlp}; resident GEMV weights loaded before the PDL wait: "
-          f"{early}")  # fmt: skip
+    qkv = "on" if fuse_qkv else ("off (GENAI_EP_FUSE_QKV=0)" if fuse else "off")
+    print(f"fused QKV commit: {'on' if fuse else 'off (GENAI_EP_FUSE=0)'}, as the projection's "
+          f"GEMV epilogue: {qkv}; gate/up GEMV with a SwiGLU epilogue: {mlp}; resident GEMV "
+          f"weights loaded before the PDL wait: {early}")  # fmt: skip
     for batch in (int(b) for b in s.batch.split(",")):
         backend = NativeBackend(
             model,
@@ -217,8 +220,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(s.out)
         out.mkdir(parents=True, exist_ok=True)
         payload = {"tool": "profile_native", "machine": machine_info(), "spec": s.spec,
-                   "fuse": fuse, "fuse_mlp": fuse_mlp, "early": early_enabled(),
-                   "results": results}  # fmt: skip
+                   "fuse": fuse, "fuse_mlp": fuse_mlp, "fuse_qkv": fuse_qkv,
+                   "early": early_enabled(), "results": results}  # fmt: skip
         (out / "profile_native.json").write_text(json.dumps(payload, indent=1))
     return 0
 
