@@ -507,6 +507,9 @@ struct Mx4Rows {  // MXFP4: b [N, K/32, 16], scales [N, K/32] E8M0
 // silu_mul and rounded again: bitwise the GEMV's y followed by the SwiGLUPacked kernel
 // (`ep.kernels.mlp` compiles the same silu_mul). A row's sums are those of the plain GEMV at the
 // same kw and gy (the plan keeps them), so the K split and the arithmetic are unchanged.
+// A map with kPairs stores each pair through its store(y, m, n, sum_n, sum_n+H); one with
+// kTokens also has tokens(M), run once a launch by block (0, 0). `RopeCols` (the QKV
+// projection's rotary/KV-commit epilogue) is defined with its device code in attention.py.
 
 struct PlainCols {
   int N;
