@@ -810,8 +810,8 @@ def plan_matmul(
 
 
 def split_k_gemv(plan: MatmulPlan) -> bool:
-    """Whether ``plan`` runs a split-K GEMV ``ep_gemv_<fmt>_<dt>`` (the kernels that have a
-    SwiGLU-epilogue twin), not a v2, streaming or SwiGLU GEMV nor a GEMM."""
+    """Whether ``plan`` runs a split-K GEMV ``ep_gemv_<fmt>_<dt>`` (the kernels that have
+    epilogue twins), not a v2, streaming or epilogue GEMV nor a GEMM."""
     return plan.kind == "gemv" and plan.kernel.count("_") == 3
 
 

@@ -293,17 +293,6 @@ class _FetchingCall:
         return tuple(name for _, name in self._slots)
 
 
-def _with_rope(gemm: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``gemm(*args, **kwargs)``; with ``rope_<name>`` keywords (`StepPlan._bind_matmul`) the
-    GEMV runs `ep.kernels.attention.rope_epilogue` of them as its epilogue."""
-    rope = {key[5:]: kwargs.pop(key) for key in [k for k in kwargs if k.startswith("rope_")]}
-    if rope:
-        from ep.kernels import attention
-
-        kwargs["rope"] = attention.rope_epilogue(**rope)
-    return gemm(*args, **kwargs)
-
-
 class _PieceCall:
     """A node whose weights are held in pieces: per piece, fetch it, then run that piece's part.
 
@@ -1102,15 +1091,17 @@ class StepPlan:
         common: dict[str, Any] = dict(
             N=int(a["N"]), stream=self.stream, workspace=self.matmul_workspace, swiglu=epilogue
         )
-        if rope is not None:  # top-level keywords: a deferred bias or table is fetched too
-            common.update({f"rope_{key}": value for key, value in rope.items()})
+        if rope is not None:  # built once: the plan joins only weights bound once (not fetched)
+            from ep.kernels import attention
+
+            common["rope"] = attention.rope_epilogue(**rope)
         # A weight bound once is resident: no kernel writes it, so the GEMV may load it before
         # it waits for the previous kernel (`ep.kernels.matmul`, "Resident weights").
         if node.op == "MatMul":
             k = x.shape[-1]
             w = self._weight(str(a["weight"]))
             return functools.partial(
-                _with_rope, matmul.gemm, self.device, out, buf(ins[0]), w, M=x.size // k, K=k,
+                matmul.gemm, self.device, out, buf(ins[0]), w, M=x.size // k, K=k,
                 transpose_b=int(a["transpose_b"]),
                 resident=self.early and not isinstance(w, _Deferred), **common,
             )  # fmt: skip
@@ -1118,7 +1109,7 @@ class StepPlan:
         packed, scales = buf(ins[1]), buf(ins[2])
         fetched = any(isinstance(w, _Deferred) for w in (packed, scales, zp))
         return functools.partial(
-            _with_rope, matmul.gemm_nbits, self.device, out, buf(ins[0]), packed, scales, zp,
+            matmul.gemm_nbits, self.device, out, buf(ins[0]), packed, scales, zp,
             M=x.size // int(a["K"]), K=int(a["K"]), block_size=int(a["block_size"]),
             bits=int(a["bits"]), resident=self.early and not fetched, **common,
         )  # fmt: skip

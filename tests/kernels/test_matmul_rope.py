@@ -31,6 +31,7 @@ SHAPES = {  # head_dim a multiple of 16: a GEMV column group holds whole pairs o
     "h14kv2d64r32": Shape(14, 2, 64, 32, 0),  # partial rotation: pass-through pairs
     "h4kv2d32i": Shape(4, 2, 32, 0, 1),  # interleaved
     "h6kv3d16": Shape(6, 3, 16, 0, 0),
+    "qwen": Shape(14, 2, 64, 0, 0),  # Qwen2.5-0.5B's attention (the CUDA shape test)
 }
 # (shape, layout, phase, theta tables, bias)
 SCENARIOS = [
@@ -184,18 +185,14 @@ def test_rope_epilogue_on_the_qkv_shape_of_qwen_0_5b(
     """The model's QKV projection (K 896, 14 + 2 x 2 heads of 64, bias, cos/sin caches), bf16, in
     the executor's workspace, at 1 and 16 tokens (the native fusion tests capture it)."""
     dev, s = cuda_device, cuda_device.default_stream
-    SHAPES["qwen"] = Shape(14, 2, 64, 0, 0)
-    try:
-        ws = matmul_workspace(dev, stream=s)
-        for batch in (1, 16):
-            positions = rng.choice(CAPACITY - 1, size=(batch, 1), replace=False).astype(np.int64)
-            scenario = ("qwen", "seq_major", "decode", False, True)
-            chain = Chain(dev, rng, upload, fmt, BF16, scenario, 896, positions)
-            unfused, _ = chain.run(ws, fused=False)
-            fused, _ = chain.run(ws, fused=True)
-            assert_same(fused, unfused)
-    finally:
-        del SHAPES["qwen"]
+    ws = matmul_workspace(dev, stream=s)
+    for batch in (1, 16):
+        positions = rng.choice(CAPACITY - 1, size=(batch, 1), replace=False).astype(np.int64)
+        scenario = ("qwen", "seq_major", "decode", False, True)
+        chain = Chain(dev, rng, upload, fmt, BF16, scenario, 896, positions)
+        unfused, _ = chain.run(ws, fused=False)
+        fused, _ = chain.run(ws, fused=True)
+        assert_same(fused, unfused)
 
 
 def test_rope_plan_keeps_the_plain_k_split(cpu_device: Device) -> None:
