@@ -148,17 +148,20 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
     return {
         "batch": batch,
         "graph_ms": graph_ms,
-        # each call once: a commit timed with its attention is not counted again on its own
-        "sum_of_ops_ms": sum(
-            v["total_us"] for op, v in ops.items() if op not in {k.split("+")[0] for k in paired}
-        )
-        / 1e3,
+        "sum_of_ops_ms": sum_once(ops, paired) / 1e3,
         "calls": len(calls),
         "step_wall_ms": statistics.median(walls),
         "loop_ms_per_step": loop_ms,
         "ops": ops,
         "critical_us": without,  # --ablate: graph µs minus the graph without that op type
     }
+
+
+def sum_once(ops: dict[str, dict[str, float]], paired: set[str]) -> float:
+    """µs of every call once: a commit timed with its attention (group ``<commit>+<attention>``,
+    the commit's own type may hold a '+': ``MatMul+QKVRotaryCommit``) is not counted alone."""
+    commits = {group.rsplit("+", 1)[0] for group in paired}
+    return sum(v["total_us"] for op, v in ops.items() if op not in commits)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,3 +45,19 @@ def test_ablation_times_the_step_without_each_op_type(tool: ModuleType, tmp_path
         "SkipRMSNorm", "SwiGLUPacked",
     }  # fmt: skip
     assert ablated["(whole step)"] > 0
+
+
+def test_a_commit_inside_a_gemv_is_counted_once_with_its_attention(tool: ModuleType) -> None:
+    """The CUDA plan's ``MatMul+QKVRotaryCommit`` is timed alone and with its attention: the sum
+    leaves out its own line (and never the plain MatMul line)."""
+    ops = {
+        name: {"total_us": us}
+        for name, us in (
+            ("MatMul", 400.0), ("MatMul+QKVRotaryCommit", 70.0),
+            ("MatMul+QKVRotaryCommit+KVAttention", 180.0), ("SkipRMSNorm", 70.0),
+        )
+    }  # fmt: skip
+    assert tool.sum_once(ops, {"MatMul+QKVRotaryCommit+KVAttention"}) == 650.0
+    plain = {"KVCommit": 5.0, "KVCommit+KVAttention": 9.0, "MatMul": 1.0}
+    ops = {name: {"total_us": us} for name, us in plain.items()}
+    assert tool.sum_once(ops, {"KVCommit+KVAttention"}) == 10.0
