@@ -64,6 +64,7 @@ __all__ = [
     "FIXED_POINT_BITS",
     "MAX_SAMPLE_VOCAB",
     "argmax",
+    "argmax_scratch",
     "sample",
     "sample_fixed_point",
 ]
@@ -72,6 +73,10 @@ FIXED_POINT_BITS = 43  # weight of the top candidate: 2**43
 MAX_SAMPLE_VOCAB = 1 << 20  # keeps the sum of weights below 2**63
 MAX_KEY_WORDS = 16
 _THREADS = 1024
+# Greedy: blocks of 512 threads, each over 8 elements a thread of a row (one load round), so the
+# 151936-entry vocabulary of a Qwen2.5 row is 38 blocks, not one block walking it 149 times.
+_ARGMAX_THREADS = 512
+ARGMAX_SPAN = _ARGMAX_THREADS * 8
 
 _KEYS = r"""
 // An order-preserving 32-bit key of a float: larger value, larger key; NaN above everything.
@@ -127,21 +132,39 @@ static __device__ u64 block_max_u64(u64 v, u64* scratch) {
 _ARGMAX_BODY = (
     _KEYS
     + r"""
-extern "C" __global__ void __launch_bounds__(1024) KERNEL(
-    i64* ids, const T* __restrict__ logits, i64 rows, i64 vocab, i64 row_stride) {
-    __shared__ u64 scratch[32];
-    const i64 b = blockIdx.x;
+// Grid (parts, rows): block (p, b) takes the best key of elements [p * span, (p + 1) * span) of
+// row b. One part writes ids[b] itself; several meet in scratch[2b] (the row's best key, by
+// atomicMax: exact and order-free) and scratch[2b + 1] (arrivals), and the last to arrive writes
+// ids[b] and zeroes both, so the scratch is zero again for the next launch.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) KERNEL(
+    i64* ids, const T* __restrict__ logits, i64 rows, i64 vocab, i64 row_stride, u64* scratch,
+    i64 span) {
+    __shared__ u64 shared[32];
+    const i64 b = blockIdx.y;
     if (b >= rows) return;
-    const T* row = logits + b * row_stride;
+    const i64 start = (i64)blockIdx.x * span;
+    const T* row = logits + b * row_stride + start;
     u64 best = 0;
-    for_each_element<8>(row, vocab, [&](float v, i64 i) {
-        const u64 k = composite(v, i);
+    for_each_element<8>(row, min(span, vocab - start), [&](float v, i64 i) {
+        const u64 k = composite(v, start + i);
         best = k > best ? k : best;
     });
-    best = block_max_u64(best, scratch);
-    if (threadIdx.x == 0) ids[b] = index_of(best);
+    best = block_max_u64(best, shared);
+    if (threadIdx.x != 0) return;
+    if (gridDim.x == 1) {
+        ids[b] = index_of(best);
+        return;
+    }
+    u64* slot = scratch + 2 * b;
+    atomicMax(reinterpret_cast<unsigned long long*>(slot), (unsigned long long)best);
+    __threadfence();
+    const u64 arrived = atomicAdd(reinterpret_cast<unsigned long long*>(slot + 1), 1ull);
+    if (arrived + 1 < gridDim.x) return;
+    __threadfence();
+    ids[b] = index_of(atomicExch(reinterpret_cast<unsigned long long*>(slot), 0ull));
+    slot[1] = 0ull;
 }
-"""
+""".replace("ARGMAX_THREADS", str(_ARGMAX_THREADS))
 )
 
 _SAMPLE_BODY = (
@@ -413,7 +436,13 @@ def _rows(logits: np.ndarray, rows: int, vocab: int, stride: int) -> np.ndarray:
 
 
 def _argmax_cpu(
-    ids: np.ndarray, logits: np.ndarray, rows: np.int64, vocab: np.int64, row_stride: np.int64
+    ids: np.ndarray,
+    logits: np.ndarray,
+    rows: np.int64,
+    vocab: np.int64,
+    row_stride: np.int64,
+    scratch: np.ndarray,
+    span: np.int64,
 ) -> None:
     n = int(rows)
     values = _rows(logits, n, int(vocab), int(row_stride))
@@ -463,7 +492,7 @@ def _sample_cpu(
 
 
 ARGMAX_KERNELS = register_per_dtype(
-    "sample_argmax", _ARGMAX_BODY, ("i64*", "T*", "i64", "i64", "i64"), _argmax_cpu
+    "sample_argmax", _ARGMAX_BODY, ("i64*", "T*", "i64", "i64", "i64", "u64*", "i64"), _argmax_cpu
 )
 SAMPLE_KERNELS = register_per_dtype(
     "sample_topp",
@@ -485,6 +514,16 @@ def _check_logits(
     return suffix, stride
 
 
+def argmax_scratch(dev: Device, batch: int, *, stream: Stream) -> Buffer:
+    """Zeroed scratch for `argmax` over ``batch`` rows: uint64 [batch, 2] (a row's best key and
+    its arrival count). Every launch leaves it zero again, so one scratch serves every call and
+    every graph replay on one stream (not two streams at once)."""
+    positive("Sample", batch=batch)
+    scratch = dev.alloc((batch, 2), np.uint64, stream=stream, name="argmax-scratch")
+    dev.fill(scratch, 0, stream=stream)
+    return scratch
+
+
 def argmax(
     dev: Device,
     ids: Buffer,
@@ -493,17 +532,31 @@ def argmax(
     batch: int,
     vocab: int,
     row_stride: int = 0,
+    scratch: Buffer | None = None,
     stream: Stream,
 ) -> None:
-    """Greedy: ``ids[b] = argmax(logits[b])`` (int64; the lowest index wins a tie)."""
+    """Greedy: ``ids[b] = argmax(logits[b])`` (int64; the lowest index wins a tie).
+
+    A row of more than `ARGMAX_SPAN` entries is split over several blocks that meet in
+    ``scratch`` (`argmax_scratch`); pass one that lives as long as the caller's buffers (a
+    captured loop must), or None for a fresh one for this call.
+    """
     op = "Sample"
     suffix, stride = _check_logits(op, logits, batch, vocab, row_stride)
     need(vocab < 2**31, op, f"vocab={vocab} must be below 2**31")
     check_buffer(op, "ids", ids, batch, np.dtype(np.int64))
     if batch == 0:
         return
+    parts = -(-vocab // ARGMAX_SPAN)
+    need(batch <= 65535, op, f"batch={batch} rows; at most 65535")
+    if scratch is None:
+        scratch = argmax_scratch(dev, batch, stream=stream)
+    check_buffer(op, "scratch", scratch, 2 * batch, np.dtype(np.uint64))
     kernel = dev.kernel(ARGMAX_KERNELS[suffix].name)
-    kernel.launch(batch, _THREADS, ids, logits, batch, vocab, stride, stream=stream)
+    kernel.launch(
+        (parts, batch), _ARGMAX_THREADS, ids, logits, batch, vocab, stride, scratch, ARGMAX_SPAN,
+        stream=stream,
+    )  # fmt: skip
 
 
 def sample(

@@ -470,7 +470,7 @@ class NativeBackend:
                 nk.mask_ids(self.device, plan.logits, loop.mask, batch=rows,
                             count=masked.size, vocab=vocab, stream=self.stream)  # fmt: skip
             sample.argmax(self.device, loop.sampled, plan.logits, batch=rows, vocab=vocab,
-                          stream=self.stream)  # fmt: skip
+                          scratch=loop.scratch, stream=self.stream)  # fmt: skip
             nk.advance(self.device, plan.input_ids, plan.positions, loop.history, loop.sampled,
                        batch=rows, slot=j, stream=self.stream)  # fmt: skip
         history = loop.history.to_host(stream=self.stream)  # the one synchronisation
@@ -481,7 +481,10 @@ class NativeBackend:
         return out[:, : self._real].astype(np.int64, copy=True)
 
     def _loop_buffers(self, rows: int, count: int, masked: int) -> _LoopBuffers:
-        """The device loop's sampled ids, token history and mask ids (grown, never shrunk)."""
+        """The device loop's sampled ids, token history, mask ids and argmax scratch (grown, never
+        shrunk)."""
+        from ep.kernels.sample import argmax_scratch
+
         have = self._loop.get(rows)
         if have is None or have.steps < count or have.masked < masked:
             steps = max(count, have.steps if have else 0)
@@ -493,6 +496,7 @@ class NativeBackend:
                 sampled=dev.alloc(rows, np.int64, stream=st, name=f"loop.sampled:b{rows}"),
                 history=dev.alloc((steps, rows), np.int64, stream=st, name=f"loop.hist:b{rows}"),
                 mask=dev.alloc(width, np.int64, stream=st, name=f"loop.mask:b{rows}"),
+                scratch=have.scratch if have else argmax_scratch(dev, rows, stream=st),
             )
             self._loop[rows] = have
         return have
@@ -507,6 +511,7 @@ class _LoopBuffers:
     sampled: Any
     history: Any
     mask: Any
+    scratch: Any  # `ep.kernels.sample.argmax_scratch`
 
 
 class _Bound:

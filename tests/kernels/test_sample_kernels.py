@@ -93,6 +93,61 @@ def test_argmax_of_strided_rows(device: Device) -> None:
     np.testing.assert_array_equal(ids.to_host(stream=device.default_stream), want)
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), BF16], ids=str)
+def test_argmax_over_many_blocks_of_a_row(device: Device, dtype: np.dtype) -> None:
+    """A row split over blocks (`ARGMAX_SPAN` entries each) meets in the scratch: the top value
+    in a late block, ties between blocks (the lower index wins), NaNs in two blocks (the first),
+    and a row whose last, short block holds the top."""
+    span = sample.ARGMAX_SPAN
+    batch, vocab = 5, 9 * span + 17
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal((batch, vocab)).astype(np.float32)
+    values[0, 7 * span + 3] = 50.0
+    values[1, [2 * span + 1, 6 * span + 9, 2 * span + 5]] = 40.0
+    values[2, [8 * span, 3 * span + 2]] = np.nan
+    values[3, vocab - 1] = 30.0
+    values[4, :] = -np.inf
+    values = values.astype(dtype)
+    scratch = sample.argmax_scratch(device, batch, stream=device.default_stream)
+    ids = poisoned_ids(device, batch)
+    for _ in range(2):  # the second call proves the first left the scratch zero
+        sample.argmax(device, ids, upload(device, values), batch=batch, vocab=vocab,
+                      scratch=scratch, stream=device.default_stream)  # fmt: skip
+        got = ids.to_host(stream=device.default_stream)
+        np.testing.assert_array_equal(got, [7 * span + 3, 2 * span + 1, 3 * span + 2, vocab - 1, 0])
+        np.testing.assert_array_equal(got, np.argmax(values.astype(np.float32), axis=-1))
+        assert not scratch.to_host(stream=device.default_stream).any()
+
+
+def test_argmax_replays_in_a_graph_with_its_scratch(device: Device) -> None:
+    """A captured argmax over a persistent scratch gives each replay's own argmax."""
+    s = device.default_stream
+    batch, vocab = 3, 151936
+    logits = device.alloc((batch, vocab), np.float32, stream=s)
+    ids = poisoned_ids(device, batch)
+    scratch = sample.argmax_scratch(device, batch, stream=s)
+    device.kernel(sample.ARGMAX_KERNELS["f32"].name).load()
+    with device.capture(stream=s) as cap:
+        sample.argmax(device, ids, logits, batch=batch, vocab=vocab, scratch=scratch, stream=s)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        values = rng.standard_normal((batch, vocab)).astype(np.float32)
+        logits.copy_from_host(values, stream=s)
+        cap.graph.launch(stream=s)
+        np.testing.assert_array_equal(ids.to_host(stream=s), np.argmax(values, axis=-1))
+
+
+def test_argmax_refuses_a_bad_scratch(device: Device) -> None:
+    s = device.default_stream
+    values = upload(device, np.zeros((4, 8), np.float32))
+    ids = poisoned_ids(device, 4)
+    common = dict(batch=4, vocab=8, stream=s)
+    with pytest.raises(KernelArgumentError, match=r"scratch .* holds 6 elements; .* need 8"):
+        sample.argmax(device, ids, values, scratch=device.alloc(6, np.uint64, stream=s), **common)
+    with pytest.raises(KernelArgumentError, match=r"scratch .* is int64; expected uint64"):
+        sample.argmax(device, ids, values, scratch=device.alloc(8, np.int64, stream=s), **common)
+
+
 @pytest.mark.parametrize(
     "settings", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items())
 )
