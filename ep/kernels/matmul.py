@@ -164,6 +164,9 @@ _DEFAULT_SMS = 132  # H200; used when the device does not say
 _WARPS_PER_SM = (
     24  # resident warps a GEMV block of 8 warps leaves room for (3 blocks at <= 85 regs)
 )
+# The dense fp16/bf16 split-K GEMV (ep_gemv_nk_<dt>, and its SwiGLU twin) takes 64 registers: 4
+# blocks of 8 warps an SM, so one wave of it is sm_count x 4 blocks.
+_DENSE_BLOCKS_PER_SM = 4
 # The streaming q4/mx4 GEMVs (``ep_gemv_<fmt>_stream_<dt>``): blocks of 4 warps, at most 5 blocks
 # an SM (37.5 KB of shared memory and <= 102 registers a thread: 5 fit an H200 SM, 6 do not),
 # one persistent wave.
@@ -776,15 +779,29 @@ def plan_matmul(
     # more than 4 steps: measured on the H200 over every (kw, gy), bf16, M = 1 and 16 (QKV
     # 896x1152: 3.5 us against 4.7 with kw 8 x gy 2; down 4864x896: gy 4 best).
     mid_dense = fmt == "nk" and groups * 8 <= sm_count * _WARPS_PER_SM * 4
+    wave = sm_count * _DENSE_BLOCKS_PER_SM
+    one_wave = mid_dense and not fp32
+    whole_groups = groups  # the unsplit weight's column groups (8 // kw a block)
     if mid_dense:
         kw = 1
         while kw * 2 <= min(8, steps):
             kw *= 2
+    if one_wave:
+        # Blocks past the first wave start only as it drains, too late to load their weights
+        # before the PDL wait: a long weight takes more column groups a block (kw halved) until
+        # its grid is one wave, keeping 2 warps a group. H200, the 896 x 9728 gate/up projection
+        # in the 0.5B decode graph, ms a step at batch 1 / 16 (same run, K split over blocks
+        # off): kw 8 (1216 blocks) 0.706 / 0.881, kw 4 (608) 0.685 / 0.882, kw 2 (304) 0.683 /
+        # 0.840, kw 1 (152) 0.745 / 0.941.
+        while kw > 2 and -(-whole_groups // (8 // kw)) > wave:
+            kw //= 2
     gy = 1
     why = "no workspace: K split over the warps of a block only"
     if workspace is not None:
         want = steps // (kw * 4) if mid_dense else slices // kw
         gy = max(1, min(want, 64, workspace.floats // (GEMV_MAX_ROWS * whole)))
+        if one_wave:  # and so is a split over blocks
+            gy = max(1, min(gy, wave // -(-whole_groups // (8 // kw))))
         if -(-groups // (8 // kw)) > workspace.slots:
             gy = 1
         why = f"workspace: K split over {gy} block(s) too"

@@ -935,13 +935,26 @@ def test_stream_vocabulary_projection_on_the_gpu(
 def test_layer_sized_dense_gemvs_split_k_over_every_warp(
     cpu_device: Device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Timed on the H200 over every (kw, gy): all 8 warps on K, blocks only past 4 steps a warp.
+    # Timed on the H200 over every (kw, gy): all 8 warps on K, blocks only past 4 steps a warp,
+    # and a grid of at most one wave of 4 blocks an SM (528 here): the 896 x 9728 gate/up
+    # projection takes 4 column groups a block (304 blocks, kw 2), 896 x 4864 2 (304, kw 4), not
+    # 1216 / 608 blocks of one group; fp32 (106 registers) keeps all 8 warps on K.
     monkeypatch.setenv(matmul.GEMV_ENV, "v1")
     ws = matmul.matmul_workspace(cpu_device, stream=cpu_device.default_stream)
-    cases = {(896, 1152): (8, 1), (896, 896): (8, 1), (896, 9728): (8, 1), (4864, 896): (8, 4)}
-    for (K, N), (kw, gy) in cases.items():
+    cases = {
+        (896, 1152): (8, 1, 144),
+        (896, 896): (8, 1, 112),
+        (896, 9728): (2, 1, 304),
+        (896, 4864): (4, 1, 304),
+        (4864, 896): (8, 4, 112),
+    }
+    for (K, N), (kw, gy, blocks) in cases.items():
         plan = plan_matmul("nk", BF16, M=1, N=N, K=K, workspace=ws, sm_count=132)
-        assert (plan.kw, plan.gy) == (kw, gy), (K, N, plan.reason)
+        assert (plan.kw, plan.gy, plan.grid[0]) == (kw, gy, blocks), (K, N, plan.reason)
+        batch = plan_matmul("nk", BF16, M=16, N=N, K=K, workspace=ws, sm_count=132)
+        assert (batch.kernel, batch.kw, batch.gy, batch.grid) == (plan.kernel, kw, gy, plan.grid)
+    fp32 = plan_matmul("nk", np.float32, M=1, N=9728, K=896, workspace=ws, sm_count=132)
+    assert (fp32.kw, fp32.gy, fp32.grid[0]) == (8, 1, 1216)
     head = plan_matmul("nk", BF16, M=1, N=151936, K=896, workspace=ws, sm_count=132)
     assert (head.kw, head.gy) == (1, 1)  # past a few waves: the one-wave rule, unchanged
     # 4-bit weights keep the one-wave rule (38 steps over 8 warps x 4 blocks, not 8 x 1)
