@@ -28,8 +28,8 @@ projection's bias ``Add`` (when its sum feeds nothing but the q/k/v views), the 
 the ``KVCommit`` of the rotated k (when nothing else reads it) — bitwise what the separate calls
 store, without the biased sum and the rotated k ever reaching memory (they get no arena bytes).
 A packed gate/up projection read only by its ``SwiGLUPacked`` runs as one GEMV with a SwiGLU
-epilogue (``MatMul+SwiGLUPacked``, `StepPlan._swiglu_fusions`) in plans of `SWIGLU_MIN_ROWS` to
-16 rows, also bitwise, without the packed product in memory. ``GENAI_EP_FUSE=0`` (`FUSE_ENV`,
+epilogue (``MatMul+SwiGLUPacked``, `StepPlan._swiglu_fusions`) in plans of up to 16 rows, also
+bitwise, without the packed product in memory. ``GENAI_EP_FUSE=0`` (`FUSE_ENV`,
 read when a plan is made) binds every node on its own; ``GENAI_EP_FUSE_MLP=0`` (`FUSE_MLP_ENV`)
 only the SwiGLU.
 
@@ -64,7 +64,7 @@ from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "FUSE_QKV_ENV", "SWIGLU_MIN_ROWS",
+__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "FUSE_QKV_ENV",
            "KVBinding", "StepPlan", "WeightRead", "early_enabled", "fuse_enabled",
            "fuse_mlp_enabled", "fuse_qkv_enabled", "split_specs", "weight_reads"]  # fmt: skip
 
@@ -76,14 +76,6 @@ _COMMITS = ("KVCommit", "KVCommitPaged")
 FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), for A/B runs
 FUSE_MLP_ENV = "GENAI_EP_FUSE_MLP"  # 0: no SwiGLU epilogue in the gate/up GEMV (A/B runs)
 FUSE_QKV_ENV = "GENAI_EP_FUSE_QKV"  # 0: the fused QKV commit is its own call, not a GEMV epilogue
-# Rows (batch x seq) from which a plan runs the gate/up GEMV with a SwiGLU epilogue. Both forms
-# store the same bits, so the choice may depend on M. Measured on the H200 (Qwen2.5-0.5B shape,
-# bf16, captured decode graph, ms a step, fused / GEMV then SwiGLUPacked, medians of 100
-# replays, two interleaved runs each), with the lean split-K GEMV (FULL path): batch 1
-# 0.744 / 0.744, 2 0.764 / 0.764, 4 0.766 / 0.758, 8 0.785 / 0.794, 16 0.932 / 0.935. Below 8
-# rows the separate SwiGLU kernel costs no more than the epilogue (its time overlaps the GEMVs
-# around it). (Before that GEMV: 1 0.805 / 0.796, 4 0.843 / 0.853, 16 0.957 / 0.985.)
-SWIGLU_MIN_ROWS = 8
 EARLY_ENV = "GENAI_EP_EARLY"  # 0: GEMVs never load resident weights before their PDL wait (A/B)
 
 
@@ -958,8 +950,11 @@ class StepPlan:
     def _swiglu_fusions(self) -> list[_SwigluFusion]:
         """Every MatMul / 4-bit MatMulNBits whose output only a SwiGLUPacked reads, run as one
         GEMV with a SwiGLU epilogue where that is bitwise the two calls: the SwiGLUPacked is the
-        next working node, the projection takes a GEMV epilogue (`_epilogue_gemv`) with N % 16
-        == 0, and the plan has at least `SWIGLU_MIN_ROWS` rows."""
+        next working node and the projection takes a GEMV epilogue (`_epilogue_gemv`) with N %
+        16 == 0. At every M of the GEMV: since the gate/up GEMV runs in one wave
+        (`ep.kernels.matmul.plan_matmul`) the epilogue is the faster form at batch 1 too (H200,
+        0.5B decode graph, ms a step, epilogue / GEMV then SwiGLUPacked: batch 1 0.684 / 0.693,
+        4 0.681 / 0.702; before, with 1216 blocks of the GEMV, from 8 rows only)."""
         nodes, values = self.program.nodes, self.values
         output = values[self.program.output].base
         readers = self._readers()
@@ -981,7 +976,7 @@ class StepPlan:
             ):
                 continue
             sizes = self._epilogue_gemv(node)
-            if sizes is not None and sizes[0] >= SWIGLU_MIN_ROWS and sizes[1] % 16 == 0:
+            if sizes is not None and sizes[1] % 16 == 0:
                 found.append(_SwigluFusion(node, act, i, j))
         return found
 

@@ -13,7 +13,7 @@ rotations that differ, and the rotated k as the graph's output each keep that la
 
 SwiGLU epilogue (``GENAI_EP_FUSE_MLP=0`` against the default, on weights prepacked to [N, K] as
 the CUDA device loads them; the CPU device runs them through the kernels' NumPy twins): every
-plan of up to 16 rows (`run` lowers the plan's speed threshold, `SWIGLU_MIN_ROWS`, to 1) runs
+plan of up to 16 rows runs
 each layer's gate/up projection and its SwiGLUPacked as one call whose packed product gets no
 arena bytes, bitwise; a prefill of more than 16 (the GEMM) keeps two calls, and so does a plan
 below the threshold.
@@ -36,8 +36,7 @@ from ep.errors import ConfigError
 from ep.kernels import matmul
 from ep.model import DecoderModel, load_model
 from ep.native import NativeBackend, as_ep_model
-from ep.native import plan as plan_module
-from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, FUSE_QKV_ENV, SWIGLU_MIN_ROWS, StepPlan
+from ep.native.plan import FUSE_ENV, FUSE_MLP_ENV, FUSE_QKV_ENV, StepPlan
 from ep.native.program import Node, Program, load_program
 from ep.seams import KVLayout
 from ep_builtin.capture_warmup import WarmupCapture
@@ -121,7 +120,6 @@ def run(
         mp.setenv(FUSE_ENV, "1" if fuse else "0")
         mp.setenv(FUSE_MLP_ENV, "1" if fuse_mlp else "0")
         mp.setenv(FUSE_QKV_ENV, "1" if fuse_qkv else "0")
-        mp.setattr(plan_module, "SWIGLU_MIN_ROWS", 1)  # the epilogue at every GEMV plan
         backend = NativeBackend(
             model, LAYOUTS[layout](), capture=WarmupCapture(steps=1) if capture else None,
             offload=offload, budget="100%" if offload is not None else None, device=device,
@@ -468,9 +466,9 @@ def test_a_projection_that_would_not_run_the_split_k_gemv_is_not_fused(
     streaming GEMV, whose sums the epilogue's split-K kernel does not reproduce: not fused."""
     model = qwen("int4")
     backend = NativeBackend(model, HeadMajorLayout())
-    assert len(backend._plan(SWIGLU_MIN_ROWS, 1).mlp_fusions) == model.num_layers
+    assert len(backend._plan(1, 1).mlp_fusions) == model.num_layers
     monkeypatch.setattr(matmul, "sm_count", lambda dev: 1)
-    assert backend._plan(SWIGLU_MIN_ROWS + 1, 1).mlp_fusions == []
+    assert backend._plan(2, 1).mlp_fusions == []
     unfused = run(model, "seq_major", PROMPTS, fuse=True, fuse_mlp=False)
     assert np.array_equal(run(model, "seq_major", PROMPTS, fuse=True).logits, unfused.logits)
 
@@ -480,17 +478,15 @@ def test_unprepacked_weights_and_the_switch_keep_two_calls(
 ) -> None:
     """[K, N] weights (the CPU device's own load) have no SwiGLU epilogue; nor does a plan made
     with the switch off; a bad switch value is refused with the values it takes."""
-    rows = SWIGLU_MIN_ROWS  # the plan's own threshold
-    assert NativeBackend(tiny_ep, HeadMajorLayout())._plan(rows, 1).mlp_fusions == []
+    assert NativeBackend(tiny_ep, HeadMajorLayout())._plan(1, 1).mlp_fusions == []
     backend = NativeBackend(tiny_ep, HeadMajorLayout())
     backend.program = _prepacked(tiny_ep)
-    assert len(backend._plan(rows, 1).mlp_fusions) == tiny_ep.num_layers
-    assert backend._plan(rows - 1, 1).mlp_fusions == []  # fewer rows: two calls
+    assert len(backend._plan(1, 1).mlp_fusions) == tiny_ep.num_layers
     monkeypatch.setenv(FUSE_MLP_ENV, "0")
-    assert backend._plan(rows + 1, 1).mlp_fusions == []
+    assert backend._plan(2, 1).mlp_fusions == []
     monkeypatch.setenv(FUSE_MLP_ENV, "on")
     with pytest.raises(ConfigError, match=r"GENAI_EP_FUSE_MLP='on'; expected 0 .* or 1"):
-        backend._plan(rows + 2, 1)
+        backend._plan(3, 1)
 
 
 @pytest.mark.cuda
