@@ -96,7 +96,9 @@ passes it for weights it binds once), each thread issues its first round of weig
 it waits for the previous kernel of the stream, so those bytes arrive while that kernel still
 runs; x, the workspace and the output are touched only after the wait. The arithmetic is the
 same either way. A streamed or paged weight (copied in by the offload store during the step)
-must not pass it.
+must not pass it. Only resident blocks can load early, so a dense fp16/bf16 layer GEMV is planned
+in one wave of blocks (`plan_matmul`: more column groups a block where its grid would exceed
+one).
 
 Weight orientation: store decode weights as [N, K] (``transpose_b=1``): ``ep_gemv_nk`` reads
 rows; ``ep_gemv_kn`` gathers 4 rows per MMA and has 8x fewer column groups to spread over the GPU
