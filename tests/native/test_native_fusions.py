@@ -94,6 +94,16 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str], D
     yield get
 
 
+def pick_model(
+    request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], name: str
+) -> DecoderModel:
+    """A test's model by its parameter name: ``qwen_<dtype>`` from `qwen`, else that fixture."""
+    if name.startswith("qwen_"):
+        return qwen(name.removeprefix("qwen_"))
+    model: DecoderModel = request.getfixturevalue(name)
+    return model
+
+
 @dataclasses.dataclass
 class Run:
     logits: np.ndarray  # [steps + 1, batch, vocab]: prefill's last logits, then every step's
@@ -227,7 +237,7 @@ def test_cuda_fused_logits_are_the_unfused_bits(
     ok, reason = cuda_available()  # raises on a present-but-broken driver: that must fail
     if not ok:
         pytest.skip(reason)
-    model = qwen("bf16") if model_name == "qwen_bf16" else request.getfixturevalue(model_name)
+    model = pick_model(request, qwen, model_name)
     absorbed = 2 if model_name == "qwen_bf16" else 1
     unfused = run(model, layout, PROMPTS[:3], fuse=False, device="cuda")
     capture = layout == "seq_major_fixed"  # the layout the H200 benchmarks capture
@@ -395,11 +405,7 @@ def test_swiglu_epilogue_is_the_unfused_bits(
     request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str,
     prompts: list[list[int]],
 ) -> None:  # fmt: skip
-    model = (
-        request.getfixturevalue(model_name)
-        if model_name == "tiny_ep"
-        else qwen(model_name.split("_")[1])
-    )
+    model = pick_model(request, qwen, model_name)
     """Solo: the 12-row prefill and the decode fuse; four prompts: the decode (4 rows)."""
     program = _prepacked(model)
     unfused = run(model, "seq_major", prompts, fuse=True, fuse_mlp=False, program=program)
@@ -498,7 +504,7 @@ def test_cuda_swiglu_epilogue_is_the_unfused_bits(
     ok, reason = cuda_available()
     if not ok:
         pytest.skip(reason)
-    model = qwen("bf16") if model_name == "qwen_bf16" else request.getfixturevalue(model_name)
+    model = pick_model(request, qwen, model_name)
     for prompts, capture in ((PROMPTS, True), (PROMPTS[1:2], False)):
         unfused = run(model, "seq_major_fixed", prompts, fuse=True, fuse_mlp=False, device="cuda")
         fused = run(model, "seq_major_fixed", prompts, fuse=True, device="cuda", capture=capture)
@@ -539,11 +545,7 @@ def test_qkv_epilogue_is_the_unfused_bits(
     prompts: list[list[int]],
 ) -> None:  # fmt: skip
     """Without a bias (genai: Rotary over caches) and with one (Qwen), dense and 4-bit."""
-    model = (
-        request.getfixturevalue(model_name)
-        if model_name == "genai_ep"
-        else qwen(model_name.split("_")[1])
-    )
+    model = pick_model(request, qwen, model_name)
     program = _prepacked(model)
     unfused = run(model, "seq_major", prompts, fuse=True, program=program)
     fused = run(model, "seq_major", prompts, fuse=True, fuse_qkv=True, program=program)
@@ -648,11 +650,7 @@ def test_cuda_qkv_epilogue_is_the_unfused_bits(
     ok, reason = cuda_available()
     if not ok:
         pytest.skip(reason)
-    model = (
-        request.getfixturevalue(model_name)
-        if model_name == "genai_ep"
-        else qwen(model_name.split("_")[1])
-    )
+    model = pick_model(request, qwen, model_name)
     for prompts, capture in ((PROMPTS[:3], True), (PROMPTS[1:2], False)):
         unfused = run(model, "seq_major_fixed", prompts, fuse=True, device="cuda")
         fused = run(model, "seq_major_fixed", prompts, fuse=True, fuse_qkv=True, device="cuda",
