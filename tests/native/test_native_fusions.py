@@ -161,6 +161,11 @@ def fused_layers(plan: StepPlan) -> list[int]:
     return sorted(int(f.commit.attrs["layer"]) for f in plan.fusions)
 
 
+def assert_unwritten(on: StepPlan, off: StepPlan, values: set[str]) -> None:
+    """The fused plan ``on`` gives these values (storage names) no arena bytes; ``off`` does."""
+    assert values.isdisjoint(on.offsets) and values <= set(off.offsets)
+
+
 def assert_fused_everywhere(fused: Run, unfused: Run, layers: int, absorbed: int) -> None:
     """Bitwise the same logits; per plan one fused call a layer, ``absorbed`` fewer calls each
     (and one fewer for each SwiGLU epilogue the plan has)."""
@@ -212,7 +217,7 @@ def test_biased_projection_is_fused_bitwise(
         for fusion in on.fusions:
             assert fusion.add is not None
             sums = {on.values[n].base for n in (fusion.add.outputs[0], fusion.k.outputs[0])}
-            assert sums.isdisjoint(on.offsets) and sums <= set(off.offsets)
+            assert_unwritten(on, off, sums)
 
 
 def test_streamed_bias_is_fetched_by_the_fused_call(qwen: Callable[[str], DecoderModel]) -> None:
@@ -375,8 +380,8 @@ def _prepacked(model: DecoderModel) -> Program:
     return load_program(model.onnx_path, prepack=True)
 
 
-def _fuses_mlp(plan: StepPlan) -> bool:
-    """Whether a plan of these rows runs the SwiGLU epilogue in `run` (the GEMV's rows)."""
+def _gemv_rows(plan: StepPlan) -> bool:
+    """Whether a plan's projections run the GEMV (up to 16 rows), where the epilogues apply."""
     return plan.batch * plan.seq <= 16
 
 
@@ -389,14 +394,13 @@ def assert_mlp_fused(fused: Run, unfused: Run, layers: int) -> None:
         counts = op_counts(on)
         fused_calls = sum(n for op, n in counts.items() if op.endswith(FUSED_MLP))
         assert off.mlp_fusions == [] and not any(op.endswith(FUSED_MLP) for op in op_counts(off))
-        if not _fuses_mlp(on):
+        if not _gemv_rows(on):
             assert on.mlp_fusions == [] and counts == op_counts(off)
             continue
         assert fused_calls == len(on.mlp_fusions) == layers
         assert "SwiGLUPacked" not in counts
         assert len(on.call_names) == len(off.call_names) - layers
-        packed = {on.values[f.matmul.outputs[0]].base for f in on.mlp_fusions}
-        assert packed.isdisjoint(on.offsets) and packed <= set(off.offsets)
+        assert_unwritten(on, off, {on.values[f.matmul.outputs[0]].base for f in on.mlp_fusions})
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["solo", "batch4"])
@@ -405,13 +409,13 @@ def test_swiglu_epilogue_is_the_unfused_bits(
     request: pytest.FixtureRequest, qwen: Callable[[str], DecoderModel], model_name: str,
     prompts: list[list[int]],
 ) -> None:  # fmt: skip
-    model = pick_model(request, qwen, model_name)
     """Solo: the 12-row prefill and the decode fuse; four prompts: the decode (4 rows)."""
+    model = pick_model(request, qwen, model_name)
     program = _prepacked(model)
     unfused = run(model, "seq_major", prompts, fuse=True, fuse_mlp=False, program=program)
     fused = run(model, "seq_major", prompts, fuse=True, program=program)
     assert_mlp_fused(fused, unfused, model.num_layers)
-    assert sum(map(_fuses_mlp, fused.plans)) == (2 if len(prompts) == 1 else 1)
+    assert sum(map(_gemv_rows, fused.plans)) == (2 if len(prompts) == 1 else 1)
 
 
 def test_swiglu_epilogue_captured_and_with_streamed_weights(tiny_ep: DecoderModel) -> None:
@@ -443,7 +447,7 @@ def _assert_mlp_not_fused_in_layer_0(model: DecoderModel, program: Program) -> N
     assert np.array_equal(fused.logits, unfused.logits)
     layer0 = _swiglu_nodes(program)[0]
     prefill = fused.plans[0]
-    assert _fuses_mlp(prefill)
+    assert _gemv_rows(prefill)
     assert [f.matmul.name for f in prefill.mlp_fusions] == [
         n.name for n in _nodes(program, "MatMul") if "gate_up" in n.name and n is not layer0
     ]
@@ -527,15 +531,16 @@ def assert_qkv_fused(fused: Run, unfused: Run, layers: int) -> None:
         joined = [f for f in on.fusions if f.projection is not None]
         assert not any(f.projection is not None for f in off.fusions)
         assert len(on.fusions) == len(off.fusions) == layers
-        if on.batch * on.seq > 16:
+        if not _gemv_rows(on):
             assert joined == [] and counts == op_counts(off)
             continue
         assert len(joined) == layers
         assert sum(n for op, n in counts.items() if op.endswith(FUSED_QKV)) == layers
         assert FUSED not in counts
         assert len(on.call_names) == len(off.call_names) - layers
-        packed = {on.values[f.projection.outputs[0]].base for f in joined if f.projection}
-        assert packed.isdisjoint(on.offsets) and packed <= set(off.offsets)
+        assert_unwritten(
+            on, off, {on.values[f.projection.outputs[0]].base for f in joined if f.projection}
+        )
 
 
 @pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["solo", "batch4"])
