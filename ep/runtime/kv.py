@@ -425,17 +425,28 @@ class KVCache:
         return self.geometry.capacity if self.geometry else 0
 
     def allocate(self, batch: int, needed: int, *, reserve: int = 0) -> None:
-        """Fresh zeroed buffers for ``batch`` sequences, the layout's bucket for ``needed``.
+        """Zeroed buffers for ``batch`` sequences, the layout's bucket for ``needed``.
 
-        Gives back every page and buffer of the previous batch.
+        Gives back every page of the previous batch. An unpaged layout keeps the previous
+        buffers when their reservation holds this batch at the full context: same addresses,
+        so a graph captured over them stays valid from one prompt to the next (what the new
+        geometry addresses is zeroed, as fresh memory would be). Otherwise fresh buffers.
         """
         capacity = self.capacity_for(max(needed, min(reserve, self.context)))
         g = self._geometry(batch, capacity)
         most = self._geometry(batch, self.context) if capacity < self.context else g
         self._reserve = max(g.nbytes, most.nbytes)
         self.geometry = g
-        self._roots = self._new_roots(self._reserve)
-        self._committed = 0
+        reuse = (
+            not g.strides.page_size
+            and bool(self._roots)
+            and all(not r.closed and r.reserved_bytes >= self._reserve for r in self._roots)
+        )
+        if reuse:
+            self._committed = self._roots[0].nbytes // self.dtype.itemsize
+        else:
+            self._roots = self._new_roots(self._reserve)
+            self._committed = 0
         if g.strides.page_size:
             self.pool = PagePool(
                 pages=g.shape[0],
