@@ -103,6 +103,20 @@ class CPUDevice(Device):
         source = src._bytes()[src_offset : src_offset + nbytes]
         self._submit(stream, functools.partial(np.copyto, target, source))
 
+    def _fill_2d(
+        self,
+        buffer: Buffer,
+        offset: int,
+        byte: int,
+        width: int,
+        height: int,
+        pitch: int,
+        stream: Stream,
+    ) -> None:
+        raw = buffer._bytes()[offset : offset + (height - 1) * pitch + width]
+        rows = np.lib.stride_tricks.as_strided(raw, (height, width), (pitch, 1))
+        self._submit(stream, functools.partial(np.copyto, rows, np.uint8(byte)))
+
     def _copy_2d(
         self,
         dst: Buffer,

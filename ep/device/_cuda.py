@@ -265,6 +265,25 @@ class CUDADevice(Device):
             driver.cuMemcpy2DAsync(params, stream._native.handle),
         )
 
+    def _fill_2d(
+        self,
+        buffer: Buffer,
+        offset: int,
+        byte: int,
+        width: int,
+        height: int,
+        pitch: int,
+        stream: Stream,
+    ) -> None:
+        from cuda.bindings import driver
+
+        check_cuda(
+            f"cuMemsetD2D8Async ({buffer.name!r}, {height} rows of {width} bytes, pitch {pitch})",
+            driver.cuMemsetD2D8Async(
+                buffer.ptr + offset, pitch, byte, width, height, stream._native.handle
+            ),
+        )
+
     def _upload(self, dst: Buffer, data: np.ndarray, stream: Stream) -> None:
         if dst.location == "host":
             self._stream_sync(stream)  # queued copies may still read or write the pinned buffer
