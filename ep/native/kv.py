@@ -23,7 +23,7 @@ from ep.errors import GenerationError
 from ep.runtime.kv import KVCache
 from ep.seams import GrowthPlan, KVGeometry, KVLayout
 
-__all__ = ["DeviceKVCache"]
+__all__ = ["DeviceKVCache", "byte_runs"]
 
 
 class DeviceKVCache(KVCache):
@@ -108,13 +108,12 @@ class DeviceKVCache(KVCache):
         if self.host_readable:
             super()._zero(ranges)
             return
-        for root in self._roots:
-            raw = root.view(np.uint8)
-            for start, stop in ranges:
-                if stop > start:
-                    self._device.fill(
-                        raw.view(shape=(stop - start,), offset=start), 0, stream=self._stream
-                    )
+        # One 2-D fill a run of equal ranges at a constant step (a fixed stride's slots of every
+        # sequence): 48 buffers x 16 sequences were 768 launches, about 60 ms of host time.
+        for offset, width, height, pitch in byte_runs(ranges):
+            for root in self._roots:
+                self._device.fill_2d(root, 0, width=width, height=height, pitch=pitch,
+                                     offset=offset, stream=self._stream)  # fmt: skip
 
     def _refresh(self) -> None:
         if self.host_readable:
@@ -191,3 +190,21 @@ class DeviceKVCache(KVCache):
                 pool.tables[b, j] = pool.take()
             pool.mapped[b] = want[b]
         self._commit(pool.high_water * self.geometry.strides.page)
+
+
+def byte_runs(ranges: list[tuple[int, int]]) -> list[tuple[int, int, int, int]]:
+    """Byte ranges ``[start, stop)`` (disjoint; empty ones dropped) as ``(offset, width, height,
+    pitch)`` runs: ``height`` ranges of ``width`` bytes, each ``pitch`` after the last."""
+    runs: list[tuple[int, int, int, int]] = []
+    for start, stop in sorted(r for r in ranges if r[1] > r[0]):
+        width = stop - start
+        if runs and runs[-1][1] == width:
+            offset, _, height, pitch = runs[-1]
+            if height == 1 and start - offset >= width:
+                runs[-1] = (offset, width, 2, start - offset)
+                continue
+            if height > 1 and start == offset + height * pitch:
+                runs[-1] = (offset, width, height + 1, pitch)
+                continue
+        runs.append((start, width, 1, width))
+    return runs

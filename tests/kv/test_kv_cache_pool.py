@@ -11,6 +11,7 @@ import pytest
 from kv_gate_lib import BatchOneStride
 
 from ep.errors import ConfigError, ContractError, GenerationError
+from ep.native.kv import byte_runs
 from ep.runtime.kv import KVCache
 from ep.seams import CopyRange, GrowthPlan, KVGeometry
 from ep_builtin.kv_head_major import HeadMajorLayout
@@ -102,6 +103,49 @@ def test_fixed_stride_commits_as_it_grows_and_never_moves() -> None:
     _same_tokens(cache, written, [8, 8, 8])
     for buf in cache.keys + cache.values:
         assert not cache.token_view(buf)[:, 8:].any()  # the new slots: zero, not NaN
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [SeqMajorLayout(min_capacity=8), SeqMajorLayout(min_capacity=8, fixed_stride=True),
+     HeadMajorLayout(min_capacity=8)],
+    ids=["seq_major", "seq_major_fixed", "head_major"],
+)  # fmt: skip
+def test_a_new_batch_keeps_buffers_that_hold_it_and_zeroes_what_it_addresses(layout) -> None:
+    # Same addresses from one prompt to the next (a captured decode graph stays valid), and
+    # no byte of the previous batch where the new one can read: as fresh memory.
+    cache = _cache(layout)
+    cache.allocate(3, 8)
+    cache.ensure(20, [8, 8, 8])
+    address = cache.keys[0].ctypes.data
+    for buf in cache.keys + cache.values:
+        buf.reshape(-1).view(np.uint8)[:] = 0xFF  # NaN everywhere
+    roots = list(cache._roots)
+    cache.allocate(2, 8)
+    assert cache.keys[0].ctypes.data == address
+    assert all(a is b for a, b in zip(roots, cache._roots, strict=True))
+    for buf in cache.keys + cache.values:
+        assert not cache.token_view(buf).any()
+    written = _fill(cache, [3, 8])
+    cache.ensure(30, [3, 8])
+    _same_tokens(cache, written, [3, 8])
+    for buf in cache.keys + cache.values:
+        view = cache.token_view(buf)
+        assert not view[0, 3:].any() and not view[1, 8:].any()  # the grown slots: zero
+
+
+def test_a_batch_the_reservation_cannot_hold_and_a_paged_pool_get_fresh_buffers() -> None:
+    # one sequence of 32k tokens reserves 1 MiB (2 MiB: a granule); three need 3 MiB
+    cache = _cache(SeqMajorLayout(min_capacity=8, fixed_stride=True), context=32768)
+    cache.allocate(1, 8)
+    roots = list(cache._roots)
+    cache.allocate(3, 8)
+    assert all(a is not b for a, b in zip(roots, cache._roots, strict=True))
+    paged = _cache(PagedLayout(page_size=4))
+    paged.allocate(2, 8)
+    roots = list(paged._roots)
+    paged.allocate(2, 8)  # a new pool of pages: fresh, zeroed pages
+    assert all(a is not b for a, b in zip(roots, paged._roots, strict=True))
 
 
 def test_a_stride_that_only_works_at_batch_one_is_refused() -> None:
@@ -250,3 +294,11 @@ def test_paged_calls_on_a_contiguous_cache_are_config_errors() -> None:
     paged = _paged()
     with pytest.raises(ConfigError, match=r"fork\(1, 1\): expected two different sequences"):
         paged.fork(1, 1)
+
+
+def test_byte_ranges_become_runs_of_equal_ranges_at_one_step() -> None:
+    # a fixed stride's slots of 4 sequences, then two odd ranges; empty ranges dropped
+    ranges = [(b * 100 + 10, b * 100 + 30) for b in range(4)] + [(500, 505), (600, 610), (7, 7)]
+    assert byte_runs(ranges) == [(10, 20, 4, 100), (500, 5, 1, 5), (600, 10, 1, 10)]
+    assert byte_runs([(40, 50), (0, 10)]) == [(0, 10, 2, 40)]  # sorted first
+    assert byte_runs([(0, 10), (10, 20), (25, 35)]) == [(0, 10, 2, 10), (25, 10, 1, 10)]
