@@ -256,11 +256,17 @@ class NativeBackend:
         return found.calls, found.signature
 
     def _bind(self, plan: StepPlan) -> _Bound:
+        """The plan's calls bound to the cache (bound again only when a buffer or the geometry
+        they bind changed: a new prompt in the same buffers keeps them, and their graphs)."""
         key = (plan.batch, plan.seq)
         found = self._bound.get(key)
         if found is not None and found.epoch == self._kv.epoch:
             return found
         binding = self._kv_binding(plan.batch)
+        sig = _binding_signature(plan, binding)
+        if found is not None and found.signature == sig:
+            found.epoch = self._kv.epoch
+            return found
         calls = plan.bind(binding)
         fixed = None
         if self.offloaded is not None:
@@ -269,14 +275,6 @@ class NativeBackend:
             start = functools.partial(self.offloaded.start, stream=self.stream)
             finish = functools.partial(self.offloaded.finish, stream=self.stream)
             calls = [start, *calls, finish]
-        buffers = [plan.arena, plan.input_ids, plan.positions, plan.logits, *binding.keys]
-        buffers += list(binding.values)
-        if binding.block_table is not None:
-            buffers.append(binding.block_table)
-        sig = binding_signature(buffers)
-        s = binding.strides
-        geometry = (s.batch, s.token, s.head, s.dim, s.page, s.page_size, binding.capacity)
-        sig = BindingSignature((*sig.bindings, ("kv.geometry", 0, geometry, "int64")))
         bound = _Bound(self._kv.epoch, calls, sig, fixed)
         self._bound[key] = bound
         return bound
@@ -314,7 +312,6 @@ class NativeBackend:
         lens, width = prompt_lengths(prompts, self.model.context_length)
         rows = self._rows_for(batch)
         self._decoding = False
-        self._bound.clear()
         self._table = None
         kv = self._kv
         padded = np.zeros(rows, np.int64)
@@ -512,6 +509,18 @@ class _LoopBuffers:
     history: Any
     mask: Any
     scratch: Any  # `ep.kernels.sample.argmax_scratch`
+
+
+def _binding_signature(plan: StepPlan, binding: KVBinding) -> BindingSignature:
+    """What ``plan``'s calls bound to ``binding`` bake in: every buffer, the cache geometry."""
+    buffers = [plan.arena, plan.input_ids, plan.positions, plan.logits, *binding.keys]
+    buffers += list(binding.values)
+    if binding.block_table is not None:
+        buffers.append(binding.block_table)
+    sig = binding_signature(buffers)
+    s = binding.strides
+    geometry = (s.batch, s.token, s.head, s.dim, s.page, s.page_size, binding.capacity)
+    return BindingSignature((*sig.bindings, ("kv.geometry", 0, geometry, "int64")))
 
 
 class _Bound:

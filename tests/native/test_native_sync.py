@@ -19,6 +19,7 @@ from ep.runtime import GenerationOptions, Generator
 from ep.sampling import SamplingParams
 from ep_builtin.capture_warmup import WarmupCapture
 from ep_builtin.kv_head_major import HeadMajorLayout
+from ep_builtin.kv_seq_major import SeqMajorLayout
 
 TINY = Path(__file__).parents[1] / "data" / "genai-llama-tiny"
 EXPECTED = json.loads((TINY / "expected_tokens.json").read_text())
@@ -182,3 +183,39 @@ def test_cuda_device_loop_gives_the_tokens_of_one_step_at_a_time(model) -> None:
         got[every] = gen.generate(PROMPTS).tokens
         assert backend.decode_syncs == -(-(N - 1) // every)
     assert got[1] == got[4] == got[7]
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_second_prompt_keeps_the_graph_and_the_bound_calls(model, kind, monkeypatch) -> None:
+    # The cache keeps its buffers from one prompt to the next, so the calls stay bound and the
+    # step's graph stays valid: no invalidation, no second capture, no binding again.
+    from ep.native.plan import StepPlan
+
+    _device_or_skip(kind)
+    binds = []
+    bind = StepPlan.bind
+    monkeypatch.setattr(StepPlan, "bind", lambda plan, kv: binds.append(plan.seq) or bind(plan, kv))
+
+    def tokens(backend: NativeBackend, prompt: list[int], counts: list[int]) -> list[int]:
+        token = backend.prefill([np.array(prompt)]).argmax(-1).astype(np.int64)
+        out = [int(token[0])]
+        for count in counts:
+            ids = backend.steps(token, count)
+            out += ids[:, 0].tolist()
+            token = ids[-1]
+        return out
+
+    def fresh() -> NativeBackend:
+        return NativeBackend(model, SeqMajorLayout(fixed_stride=True), device=kind,
+                             capture=WarmupCapture())  # fmt: skip
+
+    backend = fresh()
+    first = tokens(backend, PROMPTS[0], [3, 7])
+    binds.clear()
+    second = tokens(backend, PROMPTS[1], [7, 7])
+    assert binds == [len(PROMPTS[1])]  # the new prompt's prefill plan only; decode kept
+    assert first == tokens(fresh(), PROMPTS[0], [1] * 10)
+    assert second == tokens(fresh(), PROMPTS[1], [1] * 14)
+    m = backend.capture_metrics
+    assert (m.captures, m.invalidations, m.fallbacks) == (1, 0, 0)
+    assert m.replays == 7 + 7 + 7  # the first call: 2 warm-up steps and the capture
