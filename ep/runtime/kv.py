@@ -11,7 +11,9 @@ reaches is committed: all of it for a packed layout, ``(batch - 1) * stride + ca
 for a fixed per-sequence stride, the pages taken so far for a paged pool. A plan that is
 ``in_place`` grows the buffer behind its address and moves bytes within it; any other plan gets
 fresh buffers and copies into them. Bytes that hold no live token are zero (fresh memory is
-zeroed, bytes vacated by a relocation and pages given back are cleared).
+zeroed, bytes vacated by a relocation and pages given back are cleared). A new batch keeps the
+buffers of an unpaged layout whose reservation holds it (`allocate`), so their addresses, and
+any graph captured over them, outlive one prompt.
 
 Paged layouts (``strides.page_size > 0``): the cache keeps a `PagePool` — one block-table row per
 sequence (int32, -1 = no page yet), a reference count per page and a free list. `prepare` takes
