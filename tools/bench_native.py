@@ -243,7 +243,6 @@ class LoopRunner:
 
     backend: Any
     k: int
-    primed: set[int] = field(default_factory=set)  # batches whose graphs are recorded
 
     def close(self) -> None:
         self.backend.close()
@@ -258,21 +257,10 @@ def decode_loop(
     timer: Callable[[], tuple[Any, Any]] | None = None,
 ) -> None:
     """Like `decode_backend`, stepping ``runner.k`` steps a call; each timed call's wall clock
-    (and device time between events around it) is spread evenly over its steps.
-
-    The first run at a batch is preceded by an untimed one (prefill, warm-up, one k-step call):
-    the step's graph is captured there and kept from one prompt to the next (the cache keeps its
-    buffers), so no timed call captures one.
-    """
+    (and the device time between events around it) is spread evenly over its steps."""
     backend = runner.backend
     reserve = s.prompt + s.warmup + s.steps + 1 if s.layout == "head_major" else 0
     metrics = backend.capture_metrics
-    if len(prompts) not in runner.primed:
-        tokens = greedy(backend.prefill(prompts, reserve=reserve), banned)
-        for n in (s.warmup, runner.k):
-            if n:
-                tokens = backend.steps(tokens, n, mask=banned, mask_steps=n)[-1]
-        runner.primed.add(len(prompts))
     tokens = greedy(backend.prefill(prompts, reserve=reserve), banned)
     seen: list[np.ndarray] = []
     events = timer() if timer is not None else None

@@ -432,7 +432,8 @@ class KVCache:
         Gives back every page of the previous batch. An unpaged layout keeps the previous
         buffers when their reservation holds this batch at the full context: same addresses,
         so a graph captured over them stays valid from one prompt to the next (what the new
-        geometry addresses is zeroed, as fresh memory would be). Otherwise fresh buffers.
+        geometry addresses is zeroed, as fresh memory would be; the memory committed stays at
+        its high-water mark). Otherwise fresh buffers.
         """
         capacity = self.capacity_for(max(needed, min(reserve, self.context)))
         g = self._geometry(batch, capacity)
