@@ -6,8 +6,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from _devices import cuda_or_skip
 
-from ep.device import CACHE_ENV, Device, cuda_available, get_device
+from ep.device import CACHE_ENV, Device, get_device
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,23 +19,16 @@ def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
 
 
-def _cuda_or_skip() -> Device:
-    ok, reason = cuda_available()  # raises on a present-but-broken driver: that must fail
-    if not ok:
-        pytest.skip(reason)
-    return get_device("cuda")
-
-
 @pytest.fixture
 def cuda_dev() -> Device:
     """The GPU, or a skip when there is genuinely no driver or no GPU (never on other errors)."""
-    return _cuda_or_skip()
+    return cuda_or_skip()
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def device(request: pytest.FixtureRequest) -> Device:
     """Each contract test once per device; kernels compiled up front, as before any capture."""
-    dev = _cuda_or_skip() if request.param == "cuda" else get_device("cpu")
+    dev = cuda_or_skip() if request.param == "cuda" else get_device("cpu")
     dev.compile_all()
     return dev
 

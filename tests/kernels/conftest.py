@@ -18,9 +18,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+from _devices import cuda_or_skip
 
 import ep.kernels  # noqa: F401  (registers every kernel)
-from ep.device import CACHE_ENV, Buffer, Device, cuda_available, get_device
+from ep.device import CACHE_ENV, Buffer, Device, get_device
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,14 +30,6 @@ def _kernel_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("kernel-cache")))
         yield
-
-
-def cuda_or_skip() -> Device:
-    """The GPU, or a skip when there is no driver or no GPU (a broken driver raises: a failure)."""
-    ok, reason = cuda_available()
-    if not ok:
-        pytest.skip(reason)
-    return get_device("cuda")
 
 
 @pytest.fixture(scope="module")

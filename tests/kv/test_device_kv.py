@@ -6,22 +6,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from _devices import device_or_skip
 
-from ep.device import Device, cuda_available, get_device
+from ep.device import Device
 from ep.native.kv import DeviceKVCache
 from ep.runtime.kv import _subtract
 from ep_builtin.kv_head_major import HeadMajorLayout
 from ep_builtin.kv_seq_major import SeqMajorLayout
 
 LAYERS, H, D = 2, 2, 8
-
-
-def _device(kind: str) -> Device:
-    if kind == "cuda":
-        ok, reason = cuda_available()
-        if not ok:
-            pytest.skip(reason)
-    return get_device(kind)
 
 
 def _bytes(cache: DeviceKVCache, dev: Device) -> list[np.ndarray]:
@@ -44,7 +37,7 @@ def _idle_is_zero(cache: DeviceKVCache, dev: Device, live: list[int]) -> None:
     ids=["seq_major_fixed", "head_major"],
 )
 def test_a_new_batch_keeps_the_buffers_and_reads_zero_where_no_token_is(kind, layout) -> None:
-    dev = _device(kind)
+    dev = device_or_skip(kind)
     stream = dev.create_stream(name="kv")
     cache = DeviceKVCache(layout, device=dev, stream=stream, num_layers=LAYERS, kv_heads=H,
                           head_dim=D, dtype=np.dtype(np.float32), context=64)  # fmt: skip

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _devices import device_or_skip
 
 from ep.cli import main
-from ep.device import Device, cuda_available, get_device
 from ep.errors import ConfigError, GenerationError
 from ep.model import load_model
 from ep.native import NativeBackend
@@ -131,17 +131,9 @@ def test_stream_yields_the_device_loop_tokens_one_step_at_a_time(model) -> None:
     assert [list(t) for t in stream.result.tokens] == EXPECTED["genai-fp32"]
 
 
-def _device_or_skip(kind: str) -> Device:
-    if kind == "cuda":
-        ok, reason = cuda_available()
-        if not ok:
-            pytest.skip(reason)
-    return get_device(kind)
-
-
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_mask_ids_sets_minus_inf_in_every_row(kind: str) -> None:
-    dev = _device_or_skip(kind)
+    dev = device_or_skip(kind)
     s = dev.default_stream
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, 11)).astype(np.float32)
@@ -157,7 +149,7 @@ def test_mask_ids_sets_minus_inf_in_every_row(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_advance_writes_ids_history_and_moves_live_positions(kind: str) -> None:
-    dev = _device_or_skip(kind)
+    dev = device_or_skip(kind)
     s = dev.default_stream
     i64 = np.int64
     ids, pos, sampled = (dev.alloc(3, i64, stream=s) for _ in range(3))
@@ -173,7 +165,7 @@ def test_advance_writes_ids_history_and_moves_live_positions(kind: str) -> None:
 
 @pytest.mark.cuda
 def test_cuda_device_loop_gives_the_tokens_of_one_step_at_a_time(model) -> None:
-    _device_or_skip("cuda")
+    device_or_skip("cuda")
     got = {}
     for every in (1, 4, 7):
         backend = NativeBackend(model, HeadMajorLayout(), device="cuda",
@@ -191,7 +183,7 @@ def test_a_second_prompt_keeps_the_graph_and_the_bound_calls(model, kind, monkey
     # step's graph stays valid: no invalidation, no second capture, no binding again.
     from ep.native.plan import StepPlan
 
-    _device_or_skip(kind)
+    device_or_skip(kind)
     binds = []
     bind = StepPlan.bind
     monkeypatch.setattr(StepPlan, "bind", lambda plan, kv: binds.append(plan.seq) or bind(plan, kv))

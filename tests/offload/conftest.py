@@ -6,8 +6,9 @@ from collections.abc import Mapping
 
 import numpy as np
 import pytest
+from _devices import cuda_or_skip
 
-from ep.device import CPUDevice, Device, cuda_available, get_device
+from ep.device import CPUDevice, Device
 from ep.offload import weight_infos
 from ep.seams import WeightInfo
 from ep_graphs import ModelSpec, random_weights
@@ -33,7 +34,4 @@ def cpu() -> Device:
 
 @pytest.fixture
 def cuda_dev() -> Device:
-    ok, reason = cuda_available()  # raises on a present-but-broken driver: that must fail
-    if not ok:
-        pytest.skip(reason)
-    return get_device("cuda")
+    return cuda_or_skip()

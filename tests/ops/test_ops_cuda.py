@@ -23,6 +23,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from _devices import cuda_or_skip
 from onnx import TensorProto, helper
 from opsutil import model, session
 
@@ -71,13 +72,6 @@ def _placement_restored() -> Iterator[None]:
     after = eo.current_placement()
     eo.set_placement(before)
     assert after == before, f"the test left the op placement at {after}"
-
-
-def cuda_or_skip() -> None:
-    """Skip when there is no CUDA driver or GPU (a broken driver raises: a failure)."""
-    ok, reason = cuda_available()
-    if not ok:
-        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module", params=["twin", pytest.param("cuda", marks=pytest.mark.cuda)])
