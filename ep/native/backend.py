@@ -7,11 +7,13 @@ into this project's ops first (`ep.rewrite.rewrite_model`, cached under
 ``default_cache_dir()/native``). CPU runs the kernels' NumPy twins on the CPU device; CUDA the
 kernels themselves: one executor.
 
-Device token loop (``sync_every`` = k, ``decode.sync_every``): `NativeBackend.steps` runs k greedy
+Device token loop (``sync_every`` = k, ``decode.sync_every``): `NativeBackend.steps` runs k
 decode steps with no host synchronisation between them: each step's calls (through the
 `CaptureManager`), a masked argmax (`ep.kernels.sample.argmax`, after ``native_mask_ids`` while
-EOS/stop ids are masked) into the next input ids, and ``native_advance`` (positions + 1, the id
-into a [k, batch] history); then one read of the history. The generator applies stops to the k
+EOS/stop ids are masked) or, with sampling parameters, a draw on the device
+(`ep.kernels.sample.sample`: `ep.sampling`'s semantics and each row's own random numbers) into
+the next input ids, and ``native_advance`` (positions + 1, the id into a [k, batch] history);
+then one read of the history. The generator applies stops to the k
 tokens and drops those past a stop. The KV cache is made ready (grown, paged) step by step exactly
 as `step` does, so each step runs at the capacity, and through the graph, that k = 1 would use.
 
@@ -58,6 +60,7 @@ from ep.offload import (
     weight_infos,
 )
 from ep.runtime.kv import prompt_lengths
+from ep.sampling import SamplingParams
 from ep.seams import BindingSignature, CapturePolicy, KVLayout, OffloadPolicy, StepInfo
 
 # Ops whose initializer inputs stay the executor's own (always resident, never in the store):
@@ -425,15 +428,21 @@ class NativeBackend:
         *,
         mask: Sequence[int] | np.ndarray = (),
         mask_steps: int = 0,
+        sampling: SamplingParams | None = None,
+        draws: int = 0,
     ) -> np.ndarray:
-        """``count`` greedy decode steps on the device with one host synchronisation.
+        """``count`` decode steps on the device with one host synchronisation.
 
-        Step j feeds the previous token (``tokens`` for j = 0), takes the argmax of its logits
-        (lowest index on ties, as ``np.argmax``) with the ids in ``mask`` set to -inf while
-        ``j < mask_steps`` (EOS/stop ids before ``min_new_tokens``), and writes it as the next
-        input id; live positions move one forward on the device. Returns the sampled ids
-        [count, batch] (int64), read back once at the end. Stops are the caller's business:
-        every row runs all ``count`` steps.
+        Step j feeds the previous token (``tokens`` for j = 0), picks the next from its logits
+        with the ids in ``mask`` set to -inf while ``j < mask_steps`` (EOS/stop ids before
+        ``min_new_tokens``), and writes it as the next input id; live positions move one forward
+        on the device. The pick is the argmax (lowest index on ties, as ``np.argmax``) unless
+        ``sampling`` samples: then row b draws its ``draws + j``-th uniform from
+        ``default_rng([sampling.seed, b])``, the generator `ep.sampling.make_rngs` gives it, so
+        the tokens are those of `ep.sampling.sample` one step at a time (temperature, top-k,
+        top-p and min-p; not the repetition penalty, which needs the history on the host).
+        Returns the ids [count, batch] (int64), read back once at the end. Stops are the
+        caller's business: every row runs all ``count`` steps.
         """
         if not self._decoding:
             raise GenerationError("steps() before prefill(): run a prefill first")
@@ -455,19 +464,36 @@ class NativeBackend:
             )
         from ep.kernels import sample
 
+        draw = sampling is not None and not sampling.greedy
+        if draw:
+            assert sampling is not None
+            _check_device_sampling(sampling, draws, vocab)
         rows = self.lens.size
         plan = self._plan(rows, 1)
         loop = self._loop_buffers(rows, count, masked.size)
         if masked.size:
             loop.mask.copy_from_host(masked, stream=self.stream)
+        if draw:
+            assert sampling is not None
+            keys = np.stack([np.full(rows, sampling.seed), np.arange(rows)], axis=1)
+            loop.keys.copy_from_host(keys.astype(np.int64), stream=self.stream)
+            loop.draws.copy_from_host(np.full(rows, draws, np.int64), stream=self.stream)
         self._upload_step(plan, tokens)
         for j in range(count):
             self._decode_once(plan, j)
             if j < mask_steps and masked.size:
                 nk.mask_ids(self.device, plan.logits, loop.mask, batch=rows,
                             count=masked.size, vocab=vocab, stream=self.stream)  # fmt: skip
-            sample.argmax(self.device, loop.sampled, plan.logits, batch=rows, vocab=vocab,
-                          scratch=loop.scratch, stream=self.stream)  # fmt: skip
+            if draw:
+                assert sampling is not None
+                sample.sample(self.device, loop.sampled, plan.logits, loop.keys, loop.draws,
+                              batch=rows, vocab=vocab, temperature=sampling.temperature,
+                              top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
+                              advance_steps=True, status=self.status,
+                              stream=self.stream)  # fmt: skip
+            else:
+                sample.argmax(self.device, loop.sampled, plan.logits, batch=rows, vocab=vocab,
+                              scratch=loop.scratch, stream=self.stream)  # fmt: skip
             nk.advance(self.device, plan.input_ids, plan.positions, loop.history, loop.sampled,
                        batch=rows, slot=j, stream=self.stream)  # fmt: skip
         history = loop.history.to_host(stream=self.stream)  # the one synchronisation
@@ -494,6 +520,8 @@ class NativeBackend:
                 history=dev.alloc((steps, rows), np.int64, stream=st, name=f"loop.hist:b{rows}"),
                 mask=dev.alloc(width, np.int64, stream=st, name=f"loop.mask:b{rows}"),
                 scratch=have.scratch if have else argmax_scratch(dev, rows, stream=st),
+                keys=dev.alloc((rows, 2), np.int64, stream=st, name=f"loop.keys:b{rows}"),
+                draws=dev.alloc(rows, np.int64, stream=st, name=f"loop.draws:b{rows}"),
             )
             self._loop[rows] = have
         return have
@@ -509,6 +537,32 @@ class _LoopBuffers:
     history: Any
     mask: Any
     scratch: Any  # `ep.kernels.sample.argmax_scratch`
+    keys: Any  # int64 [batch, 2]: each row's generator entropy (seed, row) when sampling
+    draws: Any  # int64 [batch]: the uniforms each row drew so far (the kernel counts on)
+
+
+def _check_device_sampling(sampling: SamplingParams, draws: int, vocab: int) -> None:
+    """Refuse what `steps` cannot sample on the device, saying what to do instead."""
+    from ep.kernels.sample import MAX_SAMPLE_VOCAB
+
+    if sampling.uses_history:
+        raise GenerationError(
+            f"steps(sampling=...) with repetition_penalty={sampling.repetition_penalty}: the "
+            "penalty needs each row's token history on the host; sample one step at a time "
+            "(decode.sync_every = 1)"
+        )
+    if sampling.seed is None or sampling.seed >= 2**63:
+        raise GenerationError(
+            f"steps(sampling=...) with seed={sampling.seed!r}; the device's generators need a "
+            "seed in [0, 2**63) (the generator draws one when none is given)"
+        )
+    if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 0:
+        raise GenerationError(f"steps(draws={draws!r}); expected an integer >= 0")
+    if vocab > MAX_SAMPLE_VOCAB:
+        raise GenerationError(
+            f"a vocabulary of {vocab} is over the {MAX_SAMPLE_VOCAB} ids the sampling kernel "
+            "handles; sample on the host (decode.sync_every = 1)"
+        )
 
 
 def _binding_signature(plan: StepPlan, binding: KVBinding) -> BindingSignature:

@@ -2,14 +2,18 @@
 
 The hot loop does per step: mask stop ids (until ``min_new_tokens``), pick tokens (argmax or
 `ep.sampling.sample`), check stops, and call the backend's `step`. A backend with ``sync_every`` > 1
-and ``steps`` (the native one) instead gives k greedy tokens per call, picked on the device; they
-are consumed one per loop turn the same way, so stops and ``min_new_tokens`` act as with k = 1.
+and ``steps`` (the native one) instead gives k tokens per call, picked on the device (argmax, or a
+draw from each row's own generator, the very numbers `ep.sampling.make_rngs` gives it: a seed is
+drawn when none is set); they are consumed one per loop turn the same way, so stops and
+``min_new_tokens`` act as with k = 1. The repetition penalty needs the history on the host: with
+it, k = 1 and a note.
 Nothing large is allocated and no plugin hook is called per token; the KV layout object is called
 only when the cache grows.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from collections.abc import Generator as PyGenerator
@@ -363,6 +367,28 @@ class Generator:
             else None
         )
         greedy_fast = sampling.greedy and not sampling.uses_history
+        # The device token loop (native backend, decode.sync_every = k > 1): k steps on the
+        # device per host synchronisation; its tokens are consumed below one at a time, as if
+        # picked here, so stops apply per token and tokens past a stop or the end are dropped.
+        every = int(getattr(self.backend, "sync_every", 1))
+        device_loop = every > 1 and hasattr(self.backend, "steps")
+        if device_loop and sampling.uses_history:
+            notes.append(
+                f"decode.sync_every={every} cannot apply a repetition penalty on the device (it "
+                "needs each row's history here); ran with sync_every=1"
+            )
+            device_loop = False
+        if device_loop and not sampling.greedy:
+            if sampling.seed is None:  # the device's generators are seeded: draw one here
+                fresh = np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1)
+                sampling = dataclasses.replace(sampling, seed=int(fresh))
+            elif sampling.seed >= 2**63:
+                notes.append(
+                    f"decode.sync_every={every} needs a sampling seed below 2**63 (the "
+                    f"device's generators take int64 keys; got {sampling.seed}); ran with "
+                    "sync_every=1"
+                )
+                device_loop = False
         rngs = None if sampling.greedy else make_rngs(sampling.seed, batch)
         seen = seen_mask(prompts, batch, vocab) if sampling.uses_history else None
         rows = np.arange(batch)
@@ -380,17 +406,6 @@ class Generator:
         logits = self.backend.prefill(prompts, reserve=plan.kv_capacity)
         prefill_s = time.perf_counter() - t0
 
-        # The device token loop (native backend, decode.sync_every = k > 1): k greedy steps on
-        # the device per host synchronisation; its tokens are consumed below one at a time, as if
-        # sampled here, so stops apply per token and tokens past a stop or the end are dropped.
-        every = int(getattr(self.backend, "sync_every", 1))
-        device_loop = every > 1 and hasattr(self.backend, "steps")
-        if device_loop and not greedy_fast:
-            notes.append(
-                f"decode.sync_every={every} needs greedy sampling without a repetition penalty; "
-                "ran with sync_every=1"
-            )
-            device_loop = False
         block: np.ndarray | None = None
         used = 0
 
@@ -435,8 +450,9 @@ class Generator:
                 if block is None or used == len(block):
                     count = min(every, max_new - 1 - step)
                     block = self.backend.steps(  # type: ignore[attr-defined]
-                        ids, count, mask=stops, mask_steps=max(0, min_new - step - 1)
-                    )
+                        ids, count, mask=stops, mask_steps=max(0, min_new - step - 1),
+                        sampling=sampling, draws=step + 1,  # one uniform a row a step so far
+                    )  # fmt: skip
                     used = 0
             else:
                 logits = self.backend.step(ids)

@@ -98,12 +98,52 @@ def test_stop_ids_are_masked_on_the_device_until_min_new_tokens(model) -> None:
     assert got.tokens[0][5] != stop
 
 
-def test_sampling_falls_back_to_one_step_with_a_note(model) -> None:
+def test_a_repetition_penalty_falls_back_to_one_step_with_a_note(model) -> None:
     gen = generator(model, 4, max_new_tokens=6, min_new_tokens=0)
-    sampling = SamplingParams(temperature=0.8, seed=3)
+    sampling = SamplingParams(temperature=0.8, seed=3, repetition_penalty=1.3)
     result = gen.generate([PROMPTS[3]], sampling=sampling)
-    assert any("sync_every=4" in n and "greedy" in n for n in result.notes)
+    assert any("sync_every=4" in n and "repetition penalty" in n for n in result.notes)
     assert gen.backend.decode_syncs == 5  # type: ignore[attr-defined]
+
+
+SAMPLING = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed=11)
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("every", [4, 7])
+def test_sampling_on_the_device_gives_the_host_tokens(model, kind: str, every: int) -> None:
+    # Each row draws its uniforms from default_rng([seed, row]) on the device as on the host,
+    # one a step, with the stop id masked until min_new_tokens: the tokens of k = 1.
+    device_or_skip(kind)
+    stop = EXPECTED["genai-fp32"][0][3]
+    opts = {"max_new_tokens": 24, "min_new_tokens": 6, "stop_token_ids": (stop,)}
+
+    def run(k: int):
+        backend = NativeBackend(model, HeadMajorLayout(), device=kind, capture=WarmupCapture(),
+                                sync_every=k)  # fmt: skip
+        gen = Generator(model, layout=HeadMajorLayout(), backend=backend,
+                        options=GenerationOptions(**opts))  # fmt: skip
+        return gen.generate(PROMPTS, sampling=SAMPLING), backend
+
+    want, _ = run(1)
+    got, backend = run(every)
+    assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+    assert not got.notes and backend.decode_syncs < len(max(got.tokens, key=len)) - 1
+    assert got.tokens != generator(model, 1, **opts).generate(PROMPTS).tokens  # not greedy
+
+
+def test_sampling_without_a_seed_runs_on_the_device(model) -> None:
+    gen = generator(model, 4, max_new_tokens=9, min_new_tokens=9)
+    result = gen.generate(PROMPTS[:2], sampling=SamplingParams(temperature=1.0))
+    assert not result.notes and [len(t) for t in result.tokens] == [9, 9]
+    assert gen.backend.decode_syncs == 2  # type: ignore[attr-defined]
+
+
+def test_a_seed_too_large_for_the_device_falls_back_with_a_note(model) -> None:
+    gen = generator(model, 4, max_new_tokens=5, min_new_tokens=0)
+    result = gen.generate([PROMPTS[3]], sampling=SamplingParams(temperature=0.7, seed=2**64))
+    assert any("seed below 2**63" in n for n in result.notes)
+    assert gen.backend.decode_syncs == 4  # type: ignore[attr-defined]
 
 
 def test_steps_refuses_bad_requests(model) -> None:
@@ -119,6 +159,12 @@ def test_steps_refuses_bad_requests(model) -> None:
         backend.steps(np.array([1]), 2, mask=[model.vocab_size])
     with pytest.raises(GenerationError, match="one id per row"):
         backend.steps(np.array([1, 2]), 2)
+    with pytest.raises(GenerationError, match=r"repetition_penalty=1\.2: the penalty needs"):
+        backend.steps(np.array([1]), 2, sampling=SamplingParams(0.5, repetition_penalty=1.2))
+    with pytest.raises(GenerationError, match=r"seed=None; the device's generators need a seed"):
+        backend.steps(np.array([1]), 2, sampling=SamplingParams(0.5))
+    with pytest.raises(GenerationError, match=r"draws=-1\); expected an integer >= 0"):
+        backend.steps(np.array([1]), 2, sampling=SamplingParams(0.5, seed=1), draws=-1)
     with pytest.raises(ConfigError, match="sync_every=0"):
         NativeBackend(model, HeadMajorLayout(), sync_every=0)
 
