@@ -464,10 +464,14 @@ class NativeBackend:
             )
         from ep.kernels import sample
 
+        if sampling is not None and (refusal := self.sampling_refusal(sampling)):
+            raise GenerationError(
+                f"steps(sampling=...) with {refusal}; sample one step at a time "
+                "(decode.sync_every = 1)"
+            )
         draw = sampling is not None and not sampling.greedy
         if draw:
-            assert sampling is not None
-            _check_device_sampling(sampling, draws, vocab)
+            _check_draws(draws, vocab)
         rows = self.lens.size
         plan = self._plan(rows, 1)
         loop = self._loop_buffers(rows, count, masked.size)
@@ -502,6 +506,23 @@ class NativeBackend:
         self.lens[: self._real] += count
         out = np.asarray(history).reshape(-1)[: count * rows].reshape(count, rows)
         return out[:, : self._real].astype(np.int64, copy=True)
+
+    @staticmethod
+    def sampling_refusal(sampling: SamplingParams) -> str:
+        """Why `steps` cannot pick tokens with ``sampling`` on the device ("" when it can): the
+        repetition penalty needs each row's history on the host, and a draw needs a seed the
+        device's int64 generator keys hold. The generator asks before it uses the device loop."""
+        if sampling.uses_history:
+            return (
+                f"repetition_penalty={sampling.repetition_penalty}: the penalty needs each row's "
+                "token history, which the host keeps (no repetition penalty on the device)"
+            )
+        if not sampling.greedy and (sampling.seed is None or sampling.seed >= 2**63):
+            return (
+                f"seed={sampling.seed!r}; the device's generators need a seed below 2**63 (their "
+                "keys are int64; the generator draws one when none is given)"
+            )
+        return ""
 
     def _loop_buffers(self, rows: int, count: int, masked: int) -> _LoopBuffers:
         """The device loop's sampled ids, token history, mask ids and argmax scratch (grown, never
@@ -541,21 +562,10 @@ class _LoopBuffers:
     draws: Any  # int64 [batch]: the uniforms each row drew so far (the kernel counts on)
 
 
-def _check_device_sampling(sampling: SamplingParams, draws: int, vocab: int) -> None:
-    """Refuse what `steps` cannot sample on the device, saying what to do instead."""
+def _check_draws(draws: int, vocab: int) -> None:
+    """Refuse a draw count or a vocabulary the sampling kernel cannot take."""
     from ep.kernels.sample import MAX_SAMPLE_VOCAB
 
-    if sampling.uses_history:
-        raise GenerationError(
-            f"steps(sampling=...) with repetition_penalty={sampling.repetition_penalty}: the "
-            "penalty needs each row's token history on the host; sample one step at a time "
-            "(decode.sync_every = 1)"
-        )
-    if sampling.seed is None or sampling.seed >= 2**63:
-        raise GenerationError(
-            f"steps(sampling=...) with seed={sampling.seed!r}; the device's generators need a "
-            "seed in [0, 2**63) (the generator draws one when none is given)"
-        )
     if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 0:
         raise GenerationError(f"steps(draws={draws!r}); expected an integer >= 0")
     if vocab > MAX_SAMPLE_VOCAB:

@@ -372,23 +372,17 @@ class Generator:
         # picked here, so stops apply per token and tokens past a stop or the end are dropped.
         every = int(getattr(self.backend, "sync_every", 1))
         device_loop = every > 1 and hasattr(self.backend, "steps")
-        if device_loop and sampling.uses_history:
+        if device_loop and not sampling.greedy and sampling.seed is None:
+            # the device's generators are seeded: draw one here (the host's rngs use it too)
+            fresh = np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1)
+            sampling = dataclasses.replace(sampling, seed=int(fresh))
+        refusal = self.backend.sampling_refusal(sampling) if device_loop else ""  # type: ignore[attr-defined]
+        if refusal:
             notes.append(
-                f"decode.sync_every={every} cannot apply a repetition penalty on the device (it "
-                "needs each row's history here); ran with sync_every=1"
+                f"decode.sync_every={every} cannot pick tokens on the device with {refusal}; "
+                "ran with sync_every=1"
             )
             device_loop = False
-        if device_loop and not sampling.greedy:
-            if sampling.seed is None:  # the device's generators are seeded: draw one here
-                fresh = np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1)
-                sampling = dataclasses.replace(sampling, seed=int(fresh))
-            elif sampling.seed >= 2**63:
-                notes.append(
-                    f"decode.sync_every={every} needs a sampling seed below 2**63 (the "
-                    f"device's generators take int64 keys; got {sampling.seed}); ran with "
-                    "sync_every=1"
-                )
-                device_loop = False
         rngs = None if sampling.greedy else make_rngs(sampling.seed, batch)
         seen = seen_mask(prompts, batch, vocab) if sampling.uses_history else None
         rows = np.arange(batch)

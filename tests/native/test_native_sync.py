@@ -161,6 +161,8 @@ def test_steps_refuses_bad_requests(model) -> None:
         backend.steps(np.array([1, 2]), 2)
     with pytest.raises(GenerationError, match=r"repetition_penalty=1\.2: the penalty needs"):
         backend.steps(np.array([1]), 2, sampling=SamplingParams(0.5, repetition_penalty=1.2))
+    with pytest.raises(GenerationError, match=r"repetition_penalty=1\.2: the penalty needs"):
+        backend.steps(np.array([1]), 2, sampling=SamplingParams(repetition_penalty=1.2))  # greedy
     with pytest.raises(GenerationError, match=r"seed=None; the device's generators need a seed"):
         backend.steps(np.array([1]), 2, sampling=SamplingParams(0.5))
     with pytest.raises(GenerationError, match=r"draws=-1\); expected an integer >= 0"):
