@@ -472,6 +472,7 @@ class Kernel:
         ]
         self._native: Any = None
         self.report: KernelReport | None = None
+        self._resident: dict[tuple[int, int], int] = {}
 
     def __repr__(self) -> str:
         state = "loaded" if self.loaded else "not loaded"
@@ -491,6 +492,17 @@ class Kernel:
             self._native, self.report = self.device._load_kernel(self.source)
         assert self.report is not None
         return self.report
+
+    def resident_blocks(self, block: int | Sequence[int], shared_mem: int = 0) -> int:
+        """How many blocks of ``block`` threads (and ``shared_mem`` dynamic shared bytes) this
+        device holds at once: the largest grid a cooperative launch of this kernel may have."""
+        threads = math.prod(_as_dim3(block, f"block of {self.name}"))
+        key = (threads, int(shared_mem))
+        count = self._resident.get(key)
+        if count is None:
+            self.load()
+            count = self._resident[key] = self.device._resident_blocks(self, threads, key[1])
+        return count
 
     def launch(
         self,
@@ -525,6 +537,14 @@ class Kernel:
             raise DeviceError(
                 f"shared_mem={shared_mem} for {self.name}: expected 0 to "
                 f"{limits['max_shared_mem']} bytes"
+            )
+        if self.source.cooperative and math.prod(grid3) > (
+            most := self.resident_blocks(block3, shared_mem)
+        ):
+            raise DeviceError(
+                f"cooperative kernel {self.name}: grid {grid3} has {math.prod(grid3)} blocks, but "
+                f"{self.device.name} holds at most {most} of {math.prod(block3)} threads at once; "
+                "launch fewer blocks"
             )
         converted = self._convert(args)
         recording = stream._recording
@@ -1417,6 +1437,9 @@ class Device:
         stream: Stream,
     ) -> None:
         raise self._missing("_launch")
+
+    def _resident_blocks(self, kernel: Kernel, threads: int, shared_mem: int) -> int:
+        raise self._missing("_resident_blocks")
 
     def _create_stream(self) -> Any:
         raise self._missing("_create_stream")

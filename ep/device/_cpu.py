@@ -152,6 +152,10 @@ class CPUDevice(Device):
             )
         return source.cpu, KernelReport(source.name, "cpu", 0, "none", 0.0)
 
+    def _resident_blocks(self, kernel: Kernel, threads: int, shared_mem: int) -> int:
+        """Any grid: the NumPy twin computes the whole launch at once."""
+        return int(self.limits["max_grid"][0])
+
     def _launch(
         self,
         kernel: Kernel,

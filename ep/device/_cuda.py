@@ -99,7 +99,7 @@ class CUDADevice(Device):
         self._core = core
         self._pinned = LegacyPinnedMemoryResource()
         self._shared_opt_in: dict[str, int] = {}
-        self._launch_configs: dict[tuple[Dim3, Dim3, int], Any] = {}
+        self._launch_configs: dict[tuple[Dim3, Dim3, int, bool], Any] = {}
         # Programmatic dependent launch: the kernels compiled for this arch open with the PDL
         # prologue (`ep.device._kernels.PDL_PROLOGUE`); GENAI_EP_PDL=0 launches without it.
         self.pdl = pdl_arch(str(self.arch)) and os.environ.get("GENAI_EP_PDL", "1") != "0"
@@ -351,17 +351,23 @@ class CUDADevice(Device):
                 values.append(arg)
         if shared_mem > _DEFAULT_DYNAMIC_SHARED:
             self._opt_in_shared(kernel, native, shared_mem)
-        config = self._launch_configs.get((grid, block, shared_mem))
+        cooperative = kernel.source.cooperative
+        config = self._launch_configs.get((grid, block, shared_mem, cooperative))
         if config is None:
             if len(self._launch_configs) > 4096:
                 self._launch_configs.clear()  # bounded: shapes vary with sequence length
-            extra = {"programmatic_stream_serialization": True} if self.pdl else {}
+            if cooperative:  # all blocks resident at once; after the previous kernel, not beside it
+                extra = {"is_cooperative": True}
+            else:
+                extra = {"programmatic_stream_serialization": True} if self.pdl else {}
             try:
                 config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem, **extra)
             except TypeError:  # a cuda.core without the PDL attribute: plain launches
+                if cooperative:
+                    raise
                 self.pdl = False
                 config = LaunchConfig(grid=grid, block=block, shmem_size=shared_mem)
-            self._launch_configs[(grid, block, shared_mem)] = config
+            self._launch_configs[(grid, block, shared_mem, cooperative)] = config
         recording = stream._recording
         # the capturing stream launches through its graph builder; a stream forked into the
         # capture, on its own handle (the driver records its work into the same graph)
@@ -372,6 +378,15 @@ class CUDADevice(Device):
         )
         with _call(f"launching kernel {kernel.source.signature} grid={grid} block={block}"):
             launch(target, config, native, *values)
+
+    def _resident_blocks(self, kernel: Kernel, threads: int, shared_mem: int) -> int:
+        native = kernel._native[0]
+        if shared_mem > _DEFAULT_DYNAMIC_SHARED:
+            self._opt_in_shared(kernel, native, shared_mem)
+        with _call(f"reading the occupancy of kernel {kernel.name} ({threads} threads a block)"):
+            per_sm = native.occupancy.max_active_blocks_per_multiprocessor(threads, shared_mem)
+            sms = self._core.properties.multiprocessor_count
+        return int(per_sm) * int(sms)
 
     def _opt_in_shared(self, kernel: Kernel, native: Any, shared_mem: int) -> None:
         from cuda.bindings import driver

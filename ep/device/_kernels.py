@@ -160,6 +160,11 @@ class KernelSource:
     where its source calls ``EP_PDL_WAIT()`` (every thread, before it reads anything an earlier
     kernel wrote and before its first global write), so it can load data no kernel writes
     (resident weights) while the previous kernel still runs.
+
+    ``cooperative`` marks a kernel whose blocks wait for each other (a barrier in global memory):
+    every launch is a cooperative one, which the driver starts only if the whole grid is resident
+    at once (`Kernel.resident_blocks` says how many blocks that is), and without programmatic
+    dependent launch, so no earlier kernel still holds the SMs its blocks need.
     """
 
     name: str
@@ -169,6 +174,7 @@ class KernelSource:
     options: CompileOptions = field(default_factory=CompileOptions)
     cpu: Callable[..., None] | None = field(default=None, compare=False)
     pdl_wait: Literal["entry", "kernel"] = "entry"
+    cooperative: bool = False
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", self.name):
@@ -205,14 +211,8 @@ class KernelSource:
 
     def same_kernel(self, other: KernelSource) -> bool:
         """Whether two sources compile and launch identically (the CPU twin may be re-created)."""
-        return (self.name, self.source, self.params, self.entry, self.options, self.pdl_wait) == (
-            other.name,
-            other.source,
-            other.params,
-            other.entry,
-            other.options,
-            other.pdl_wait,
-        )
+        fields = ("name", "source", "params", "entry", "options", "pdl_wait", "cooperative")
+        return all(getattr(self, f) == getattr(other, f) for f in fields)
 
 
 class KernelRegistry:

@@ -224,11 +224,12 @@ def register_per_dtype(
     options: CompileOptions = OPTIONS,
     *,
     suffixes: Sequence[str] = ("f32", "f16", "bf16"),
+    cooperative: bool = False,
 ) -> dict[str, KernelSource]:
     """Register ``<name>_<suffix>`` for each float dtype (of ``suffixes``) from ``body``.
 
     In ``body`` the entry is spelled ``KERNEL`` and the element type ``T``; in ``params`` ``"T*"``
-    is the element pointer.
+    is the element pointer. ``cooperative``: see `KernelSource`.
     """
     params = _params(params)
     out: dict[str, KernelSource] = {}
@@ -244,6 +245,7 @@ def register_per_dtype(
                 params=tuple(p.replace("T*", f"{suffix}*") for p in params),
                 options=options,
                 cpu=cpu,
+                cooperative=cooperative,
             )
         )
     return out

@@ -9,15 +9,18 @@ a per-row scratch (`argmax_scratch`): each block's best key goes in by atomicMax
 independent of the order blocks finish), and the last block to arrive writes the id and zeroes
 the scratch for the next launch.
 
-``sample_topp_<dt>`` (temperature, top-k, top-p, min-p): one block of 1024 threads per row.
+``sample_topp_<dt>`` (temperature, top-k, top-p, min-p): blocks of 512 threads over a share of a
+row each (`ARGMAX_SPAN` entries, longer where a batch's blocks would not fit on the device at
+once: `sample_grid`), launched cooperatively, so all of a row's blocks run together and meet at
+barriers in the row's scratch (`sample_scratch`).
 
 *The random number* is the reference's own: ``ep.ops.sample`` draws ``rng_at(key, step).random()``,
 i.e. NumPy's ``SeedSequence(key)`` → ``PCG64`` advanced by ``step`` draws → ``random()``. Thread 0
-runs that very algorithm (SeedSequence's hash mixing, PCG64's 128-bit LCG, its jump-ahead, the
-XSL-RR output, the 53-bit double), so the kernel and the NumPy reference draw bit-identical
-uniforms from the same ``rng_keys`` and ``steps`` inputs, with no state kept between calls.
-``advance_steps`` makes the kernel add 1 to ``steps[b]`` after drawing, so a captured decode step
-replays with fresh numbers.
+of a row's first block runs that very algorithm (SeedSequence's hash mixing, PCG64's 128-bit LCG,
+its jump-ahead, the XSL-RR output, the 53-bit double), so the kernel and the NumPy reference draw
+bit-identical uniforms from the same ``rng_keys`` and ``steps`` inputs, with no state kept
+between calls. ``advance_steps`` makes the kernel add 1 to ``steps[b]`` after drawing, so a
+captured decode step replays with fresh numbers.
 
 *The distribution* is the reference's: candidates ordered by (scaled logit descending, index
 ascending), top-k, then the top-p prefix (the candidates whose mass ranked above them is below
@@ -30,14 +33,19 @@ sorted: each cut is a radix select over 64-bit (value, index) keys, 8 bits a pas
 warp-aggregated histograms in shared memory (``__match_any_sync`` + ``__reduce_add_sync``, one
 shared atomic per distinct digit per warp), stopping as soon as the selected bucket holds one
 element; a cut's target that depends on the total mass (top-p, the draw) is set from its first
-pass's histogram, so no pass only sums. The ids equal the reference's except when the uniform
-lands within ~2^-43 of the kept mass of a boundary between two tokens (weights below 2^-44 of
-the top token count as 0); `sample_fixed_point` is the NumPy twin of this arithmetic, for tests.
+pass's histogram, so no pass only sums. Each pass, every block of the row histograms its share in
+shared memory and adds its non-empty bins to the row's histogram in the scratch; after a barrier
+every block reads the whole histogram back and picks the same digit (warp 0: a scan over lanes of
+8 digits each), so no block waits for another's decision. The ids equal the reference's except
+when the uniform lands within ~2^-43 of the kept mass of a boundary between two tokens (weights
+below 2^-44 of the top token count as 0); `sample_fixed_point` is the NumPy twin of this
+arithmetic, for tests.
 
 Cost, measured on the H200 at V = 151936: greedy, a graph of the one kernel 5.6 µs at batch 1 and
-8.8 at 16, mostly the graph launch (one block a row took 23 µs); sampling 0.4 to 1 ms, as one SM
-per row re-reads the row once per digit pass. Fine where sampling is occasional; multi-block
-rows and compacting the surviving bucket into shared memory are the next steps.
+8.8 at 16, mostly the graph launch (one block a row took 23 µs). Sampling with one block a row
+took 0.4 to 1.6 ms, re-reading the row once per digit pass on one SM; `tools/bench_sampling.py`
+measures the kernel as it is now, against the argmax and NumPy in the same run
+(docs/benchmarks/h200.md).
 
 Bad data never crashes: a NaN, +inf or all -inf row (no finite top logit) or a negative key or
 step returns the row's argmax and sets `KernelFault.SAMPLE_LOGITS` / ``SAMPLE_KEY``.
@@ -67,20 +75,25 @@ from ep.sampling import SamplingParams
 __all__ = [
     "FIXED_POINT_BITS",
     "MAX_SAMPLE_VOCAB",
+    "SAMPLE_SCRATCH_WORDS",
     "argmax",
     "argmax_scratch",
     "sample",
     "sample_fixed_point",
+    "sample_grid",
+    "sample_scratch",
 ]
 
 FIXED_POINT_BITS = 43  # weight of the top candidate: 2**43
 MAX_SAMPLE_VOCAB = 1 << 20  # keeps the sum of weights below 2**63
 MAX_KEY_WORDS = 16
-_THREADS = 1024
-# Greedy: blocks of 512 threads, each over 8 elements a thread of a row (one load round), so the
-# 151936-entry vocabulary of a Qwen2.5 row is 38 blocks, not one block walking it 149 times.
-_ARGMAX_THREADS = 512
-ARGMAX_SPAN = _ARGMAX_THREADS * 8
+SAMPLE_SCRATCH_WORDS = 8 + 3 * 768  # a row's scratch for sampling: the kernel's S_WORDS
+# Both kernels: blocks of 512 threads, each over 8 elements a thread of a row (one load round), so
+# the 151936-entry vocabulary of a Qwen2.5 row is 38 blocks, not one block walking it 149 times.
+# Sampling takes fewer, longer spans where a batch's blocks would not all fit on the device at
+# once (its blocks wait for each other).
+_THREADS = 512
+ARGMAX_SPAN = _THREADS * 8
 
 _KEYS = r"""
 // An order-preserving 32-bit key of a float: larger value, larger key; NaN above everything.
@@ -168,7 +181,7 @@ extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) KERNEL(
     ids[b] = index_of(atomicExch(reinterpret_cast<unsigned long long*>(slot), 0ull));
     slot[1] = 0ull;
 }
-""".replace("ARGMAX_THREADS", str(_ARGMAX_THREADS))
+""".replace("ARGMAX_THREADS", str(_THREADS))
 )
 
 _SAMPLE_BODY = (
@@ -270,16 +283,65 @@ struct Pick { int digit; u32 count; u64 above; u64 key; u64 target; };
 #define TARGET_CEIL_FRACTION 1   // max(1, ceil(fraction * W)): the top-p cut
 #define TARGET_FLOOR_FRACTION 2  // min(W, floor(fraction * W) + 1): the inverse-CDF draw
 
+// A row's scratch (uint64 words, `sample_scratch`): the blocks of a row meet there. Every launch
+// leaves it as it found it (zeros but the barrier's counter and epoch).
+#define S_COUNTER 0   // barrier arrivals of the row's blocks, ever growing
+#define S_EPOCH 1     // the counter when the last launch ended: this launch's barriers count on
+#define S_BEST 2      // the row's largest (value, index) key (atomicMax)
+#define S_NAN 3       // a NaN logit was seen (atomicOr)
+#define S_UNIFORM 4   // the row's uniform, as double bits (block 0)
+#define S_BAD_KEY 5   // a negative key word or step (block 0)
+#define S_DEPARTED 6  // blocks done with this launch: the last one resets the scratch
+#define S_HIST 8      // three histograms of [w 256][c 256][k 256], used round robin by the passes
+#define S_HIST_WORDS 768
+#define S_WORDS (S_HIST + 3 * S_HIST_WORDS)
+#define SAMPLE_CACHED 8  // a block's share of at most 8 elements a thread stays in registers
+
+static __device__ __forceinline__ u64 load_acquire(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// The blocks of one row: where they meet and where this block's elements are.
+struct RowGrid {
+    u64* st;       // the row's scratch
+    u64 epoch;     // S_EPOCH at launch
+    u32 parts;     // blocks of the row
+    u32 barriers;  // barriers passed so far this launch
+    u32 passes;    // histograms used so far this launch
+    i64 start, len;  // this block's elements [start, start + len) of the row
+
+    // Every block of the row arrives here before any leaves; what each wrote to global memory
+    // before is visible to all after (the pattern of a cooperative grid sync, per row).
+    __device__ void barrier() {
+        ++barriers;
+        const u64 target = epoch + (u64)barriers * parts;
+        __syncthreads();  // the block's writes happen before thread 0's release
+        if (threadIdx.x == 0) {
+            asm volatile("red.release.gpu.global.add.u64 [%0], 1;" ::"l"(st + S_COUNTER)
+                         : "memory");
+            while (load_acquire(st + S_COUNTER) < target) __nanosleep(32);
+        }
+        __syncthreads();  // and the others' writes before the whole block's reads
+    }
+};
+
 // The first element in descending key order, among those with key >= lower and weight >= min_w,
 // at which the running weight (1 per element unless `mass`) reaches the target; 0 if it never
-// does.
-static __device__ u64 select_first(const T* row, i64 vocab, double temperature, double top,
-                                   bool mass, u64 lower, double min_w, int target_mode,
-                                   u64 target, double fraction, u64* hist_w, u32* hist_c,
-                                   u64* hist_k, Pick* pick) {
+// does. Each 8-bit digit pass: every block histograms its elements in shared memory, adds its
+// non-empty bins to the row's histogram of the pass, meets the others, reads the whole histogram
+// back and picks the digit itself (all blocks pick the same one from the same sums).
+static __device__ u64 select_first(RowGrid& rg, const T* row, bool cached,
+                                   const float (&cache)[SAMPLE_CACHED], double temperature,
+                                   double top, bool mass, u64 lower, double min_w,
+                                   int target_mode, u64 target, double fraction, u64* hist_w,
+                                   u32* hist_c, u64* hist_k, Pick* pick) {
     u64 prefix = 0, above = 0;
-    const int lane = threadIdx.x & 31;
-    const i64 first = (i64)(threadIdx.x >> 5) * 32;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const i64 first = (i64)warp * 32;
+    const i64 len = rg.len;
+    const T* part = row + rg.start;
     for (int shift = 56; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += blockDim.x) {
             hist_w[i] = 0ull;
@@ -288,55 +350,94 @@ static __device__ u64 select_first(const T* row, i64 vocab, double temperature, 
         __syncthreads();
         const u64 known = shift == 56 ? 0ull : (~0ull << (shift + 8));
         const i64 stride = blockDim.x;
-        for (i64 base = first; base < vocab; base += 4 * stride) {  // warp-uniform trip count
-            float vals[4];
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {  // four loads in flight before any is used
-                const i64 i = base + u * stride + lane;
-                vals[u] = i < vocab ? to_f32(row[i]) : 0.0f;
+        // Element i of the block's share (value v) into the histogram; every lane of a warp calls
+        // it together (lanes past the share with i >= len).
+        auto tally = [&](float v, i64 i) {
+            unsigned digit = 256u;  // 256: not counted
+            u64 w = 0ull, k = 0ull;
+            if (i < len) {
+                k = composite(v, rg.start + i);
+                if (k >= lower && (k & known) == prefix) {
+                    w = (mass || min_w > 0.0) ? weight_of(v, temperature, top) : 1ull;
+                    if ((double)w >= min_w) {
+                        digit = (unsigned)((k >> shift) & 255ull);
+                        if (!mass) w = 1ull;
+                    } else {
+                        w = 0ull;
+                    }
+                }
             }
+            // Past the first pass most warps hold none of the selected bucket: skip them.
+            if (!__any_sync(0xffffffffu, digit < 256u)) return;
+            const unsigned peers = __match_any_sync(0xffffffffu, digit);
+            const int n = __popc(peers);
+            u64 sum = (u64)n;
+            if (mass) {  // weights are < 2^44: 22-bit halves keep 32 lanes' sums in 32 bits
+                const unsigned lo = __reduce_add_sync(peers, (unsigned)(w & 0x3fffffull));
+                const unsigned hi = __reduce_add_sync(peers, (unsigned)(w >> 22));
+                sum = ((u64)hi << 22) + (u64)lo;
+            }
+            if (digit < 256u) {
+                if (n == 1) hist_k[digit] = k;  // read only when the whole row has one
+                if (lane == __ffs(peers) - 1) {
+                    atomicAdd(&hist_w[digit], sum);
+                    atomicAdd(&hist_c[digit], (u32)n);
+                }
+            }
+        };
+        if (cached) {  // the share is in registers since the max: element threadIdx.x + j * stride
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const i64 i = base + u * stride + lane;
-                unsigned digit = 256u;  // 256: not counted
-                u64 w = 0ull, k = 0ull;
-                if (i < vocab) {
-                    const float v = vals[u];
-                    k = composite(v, i);
-                    if (k >= lower && (k & known) == prefix) {
-                        w = (mass || min_w > 0.0) ? weight_of(v, temperature, top) : 1ull;
-                        if ((double)w >= min_w) {
-                            digit = (unsigned)((k >> shift) & 255ull);
-                            if (!mass) w = 1ull;
-                        } else {
-                            w = 0ull;
-                        }
-                    }
+            for (int j = 0; j < SAMPLE_CACHED; ++j) {
+                if (first + j * stride < len) tally(cache[j], threadIdx.x + j * stride);
+            }
+        } else {
+            for (i64 base = first; base < len; base += 4 * stride) {  // warp-uniform trip count
+                float vals[4];
+#pragma unroll
+                for (int u = 0; u < 4; ++u) {  // four loads in flight before any is used
+                    const i64 i = base + u * stride + lane;
+                    vals[u] = i < len ? to_f32(part[i]) : 0.0f;
                 }
-                // Past the first pass most warps hold none of the selected bucket: skip them.
-                if (!__any_sync(0xffffffffu, digit < 256u)) continue;
-                const unsigned peers = __match_any_sync(0xffffffffu, digit);
-                const int n = __popc(peers);
-                u64 sum = (u64)n;
-                if (mass) {  // weights are < 2^44: 22-bit halves keep 32 lanes' sums in 32 bits
-                    const unsigned lo = __reduce_add_sync(peers, (unsigned)(w & 0x3fffffull));
-                    const unsigned hi = __reduce_add_sync(peers, (unsigned)(w >> 22));
-                    sum = ((u64)hi << 22) + (u64)lo;
-                }
-                if (digit < 256u) {
-                    if (n == 1) hist_k[digit] = k;  // read only when the whole block has one
-                    if (lane == __ffs(peers) - 1) {
-                        atomicAdd(&hist_w[digit], sum);
-                        atomicAdd(&hist_c[digit], (u32)n);
-                    }
-                }
+#pragma unroll
+                for (int u = 0; u < 4; ++u) tally(vals[u], base + u * stride + lane);
             }
         }
         __syncthreads();
-        if (threadIdx.x == 0) {
+        // The row's histogram of this pass; the one two passes on is cleared once all have met.
+        u64* gw = rg.st + S_HIST + (rg.passes % 3) * S_HIST_WORDS;
+        u64* gc = gw + 256;
+        u64* gk = gw + 512;
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) {
+            const u32 c = hist_c[d];
+            if (c != 0u) {
+                atomicAdd(reinterpret_cast<unsigned long long*>(gw + d), hist_w[d]);
+                atomicAdd(reinterpret_cast<unsigned long long*>(gc + d), (u64)c);
+                if (c == 1u) gk[d] = hist_k[d];  // one block's lone element: the row's if alone
+            }
+        }
+        rg.barrier();
+        if (blockIdx.x == 0) {  // every block read that one before it arrived at this barrier
+            u64* old = rg.st + S_HIST + ((rg.passes + 2) % 3) * S_HIST_WORDS;
+            for (int i = threadIdx.x; i < S_HIST_WORDS; i += blockDim.x) old[i] = 0ull;
+        }
+        ++rg.passes;
+        for (int d = threadIdx.x; d < 256; d += blockDim.x) {
+            hist_w[d] = __ldcg(gw + d);
+            hist_c[d] = (u32)__ldcg(gc + d);
+            hist_k[d] = __ldcg(gk + d);
+        }
+        __syncthreads();
+        // Warp 0 finds the digit: lane L sums digits 255 - 8L - [0, 8), a scan over the lanes
+        // gives each lane the weight above its digits, and the first lane whose digits reach the
+        // target walks them. An empty digit adds nothing, so it is never the first to reach it.
+        if (warp == 0) {
+            u64 mine = 0ull;
+#pragma unroll
+            for (int j = 0; j < 8; ++j) mine += hist_w[255 - 8 * lane - j];
             if (shift == 56 && target_mode != TARGET_ABSOLUTE) {
-                u64 total = 0ull;
-                for (int d = 0; d < 256; ++d) total += hist_w[d];
+                u64 total = mine;
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(0xffffffffu, total, o);
                 if (target_mode == TARGET_CEIL_FRACTION) {
                     const double want = ceil(fraction * (double)total);
                     target = want < 1.0 ? 1ull : (u64)want;
@@ -344,93 +445,157 @@ static __device__ u64 select_first(const T* row, i64 vocab, double temperature, 
                     target = (u64)floor(fraction * (double)total) + 1ull;
                     if (target > total) target = total;
                 }
+            }
+            u64 inclusive = mine;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u64 other = __shfl_up_sync(0xffffffffu, inclusive, o);
+                if (lane >= o) inclusive += other;
+            }
+            const unsigned reach = __ballot_sync(0xffffffffu, above + inclusive >= target);
+            if (lane == 0) {
                 pick->target = target;
+                pick->digit = -1;
             }
-            u64 run = above;
-            int found = -1;
-            for (int d = 255; d >= 0; --d) {
-                if (hist_c[d] == 0u) continue;
-                if (run + hist_w[d] >= target) {
-                    found = d;
-                    break;
+            __syncwarp();
+            if (reach != 0u && lane == __ffs(reach) - 1) {
+                u64 run = above + inclusive - mine;
+                for (int j = 0; j < 8; ++j) {
+                    const int d = 255 - 8 * lane - j;
+                    if (hist_c[d] != 0u && run + hist_w[d] >= target) {
+                        pick->digit = d;
+                        pick->above = run;
+                        pick->count = hist_c[d];
+                        pick->key = hist_k[d];
+                        break;
+                    }
+                    run += hist_w[d];
                 }
-                run += hist_w[d];
             }
-            pick->digit = found;
-            pick->above = run;
-            pick->count = found >= 0 ? hist_c[found] : 0u;
-            pick->key = found >= 0 ? hist_k[found] : 0ull;
         }
         __syncthreads();
-        if (shift == 56 && target_mode != TARGET_ABSOLUTE) target = pick->target;
+        target = pick->target;
         const int found = pick->digit;
+        const u64 pick_above = pick->above, pick_key = pick->key;
+        const u32 pick_count = pick->count;
+        __syncthreads();  // pick is rewritten by the next pass
         if (found < 0) return 0ull;
         prefix |= (u64)found << shift;
-        above = pick->above;
-        if (pick->count == 1u) return pick->key;
+        above = pick_above;
+        if (pick_count == 1u) return pick_key;
     }
     return prefix;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) KERNEL(
-    i64* ids, i64* steps, const T* __restrict__ logits, const i64* __restrict__ keys, i64 rows,
-    i64 vocab, i64 row_stride, int key_words, double temperature, i64 top_k, double top_p,
-    double min_p, int advance, u32* status) {
-    __shared__ u64 scratch[32];
+// Grid (parts, rows): the blocks of row row0 + blockIdx.y take its elements [start, start + span)
+// each and meet in the row's scratch; a cooperative launch, so all are resident together.
+extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2) KERNEL(
+    i64* ids, i64* steps, const T* __restrict__ logits, const i64* __restrict__ keys, i64 row0,
+    i64 rows, i64 vocab, i64 row_stride, int key_words, double temperature, i64 top_k, double top_p,
+    double min_p, int advance, u64* scratch, i64 span, u32* status) {
+    __shared__ u64 reduce[32];
     __shared__ u64 hist_w[256];
     __shared__ u32 hist_c[256];
     __shared__ u64 hist_k[256];
     __shared__ Pick pick;
-    __shared__ double uniform;
-    __shared__ int bad_key;
-    const i64 b = blockIdx.x;
-    if (b >= rows) return;
+    __shared__ int last;
+    if ((i64)blockIdx.y >= rows) return;  // the whole row's blocks: none waits for it
+    const i64 b = row0 + blockIdx.y;
     const T* row = logits + b * row_stride;
-    if (threadIdx.x == 0) {
+    RowGrid rg;
+    rg.st = scratch + b * S_WORDS;
+    rg.epoch = __ldcg(rg.st + S_EPOCH);
+    rg.parts = gridDim.x;
+    rg.barriers = 0;
+    rg.passes = 0;
+    rg.start = (i64)blockIdx.x * span;
+    rg.len = rg.start < vocab ? min(span, vocab - rg.start) : 0;
+    if (blockIdx.x == 0 && threadIdx.x == 0) {  // the row's uniform, beside the other threads' max
         const i64* key = keys + b * key_words;
         const i64 step = steps[b];
         bool ok = step >= 0;
         for (int w = 0; w < key_words; ++w) ok = ok && key[w] >= 0;
-        bad_key = ok ? 0 : 1;
-        uniform = ok ? numpy_random(key, key_words, step) : 0.0;
+        rg.st[S_BAD_KEY] = ok ? 0ull : 1ull;
+        rg.st[S_UNIFORM] = (u64)__double_as_longlong(ok ? numpy_random(key, key_words, step) : 0.0);
         if (!ok) set_fault(status, 64u);  // KernelFault.SAMPLE_KEY
         else if (advance) steps[b] = step + 1;
     }
     u64 best = 0;
     int nan_seen = 0;
-    for_each_element<8>(row, vocab, [&](float v, i64 i) {
+    auto see = [&](float v, i64 i) {
         nan_seen |= v != v;
-        const u64 k = composite(v, i);
+        const u64 k = composite(v, rg.start + i);
         best = k > best ? k : best;
-    });
-    best = block_max_u64(best, scratch);
+    };
+    const bool cached = rg.len <= SAMPLE_CACHED * (i64)blockDim.x;
+    float cache[SAMPLE_CACHED];
+    if (cached) {
+#pragma unroll
+        for (int j = 0; j < SAMPLE_CACHED; ++j) {
+            const i64 i = threadIdx.x + (i64)j * blockDim.x;
+            cache[j] = i < rg.len ? to_f32(row[rg.start + i]) : 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < SAMPLE_CACHED; ++j) {
+            const i64 i = threadIdx.x + (i64)j * blockDim.x;
+            if (i < rg.len) see(cache[j], i);
+        }
+    } else {
+        for_each_element<8>(row + rg.start, rg.len, see);
+    }
+    best = block_max_u64(best, reduce);
     nan_seen = __syncthreads_or(nan_seen);
+    if (threadIdx.x == 0) {
+        atomicMax(reinterpret_cast<unsigned long long*>(rg.st + S_BEST), (unsigned long long)best);
+        if (nan_seen) atomicOr(reinterpret_cast<unsigned long long*>(rg.st + S_NAN), 1ull);
+    }
+    rg.barrier();
+    best = __ldcg(rg.st + S_BEST);
+    const bool bad_key = __ldcg(rg.st + S_BAD_KEY) != 0ull;
+    const double uniform = __longlong_as_double((long long)__ldcg(rg.st + S_UNIFORM));
     const double top = (double)to_f32(row[index_of(best)]) / temperature;
-    if (bad_key || nan_seen || !isfinite(top)) {
-        if (threadIdx.x == 0) {
+    if (bad_key || __ldcg(rg.st + S_NAN) != 0ull || !isfinite(top)) {
+        if (blockIdx.x == 0 && threadIdx.x == 0) {
             if (!bad_key) set_fault(status, 32u);  // KernelFault.SAMPLE_LOGITS
             ids[b] = index_of(best);
         }
-        return;
+    } else {
+        // One cut: the first element (in descending key order) where the running weight
+        // reaches the target, among the keys >= lower (and weights >= min_w).
+        auto cut = [&](bool mass, u64 lower, double min_w, int mode, u64 target, double fraction) {
+            return select_first(rg, row, cached, cache, temperature, top, mass, lower, min_w, mode,
+                                target, fraction, hist_w, hist_c, hist_k, &pick);
+        };
+        u64 lower = 0ull;  // candidates: key >= lower
+        if (top_k > 0 && top_k < vocab) {
+            lower = cut(false, 0ull, 0.0, TARGET_ABSOLUTE, (u64)top_k, 0.0);
+        }
+        if (top_p < 1.0) {
+            const u64 at = cut(true, lower, 0.0, TARGET_CEIL_FRACTION, 0ull, top_p);
+            if (at != 0ull) lower = at;
+        }
+        const double min_w = min_p > 0.0 ? min_p * FIX_SCALE : 0.0;
+        const u64 chosen = cut(true, lower, min_w, TARGET_FLOOR_FRACTION, 0ull, uniform);
+        if (blockIdx.x == 0 && threadIdx.x == 0) ids[b] = index_of(chosen != 0ull ? chosen : best);
     }
-    u64 lower = 0ull;  // candidates: key >= lower
-    if (top_k > 0 && top_k < vocab) {
-        lower = select_first(row, vocab, temperature, top, false, 0ull, 0.0, TARGET_ABSOLUTE,
-                             (u64)top_k, 0.0, hist_w, hist_c, hist_k, &pick);
+    // The last block of the row to finish leaves the scratch as this launch found it.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(reinterpret_cast<unsigned long long*>(rg.st + S_DEPARTED), 1ull) + 1 ==
+               rg.parts;
     }
-    if (top_p < 1.0) {
-        const u64 cut = select_first(row, vocab, temperature, top, true, lower, 0.0,
-                                     TARGET_CEIL_FRACTION, 0ull, top_p, hist_w, hist_c, hist_k,
-                                     &pick);
-        if (cut != 0ull) lower = cut;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int i = threadIdx.x; i < 3 * S_HIST_WORDS; i += blockDim.x) rg.st[S_HIST + i] = 0ull;
+    if (threadIdx.x == 0) {
+        rg.st[S_BEST] = rg.st[S_NAN] = rg.st[S_BAD_KEY] = rg.st[S_UNIFORM] = 0ull;
+        rg.st[S_DEPARTED] = 0ull;
+        rg.st[S_EPOCH] = rg.epoch + (u64)rg.barriers * rg.parts;
     }
-    const double min_w = min_p > 0.0 ? min_p * FIX_SCALE : 0.0;
-    const u64 chosen = select_first(row, vocab, temperature, top, true, lower, min_w,
-                                    TARGET_FLOOR_FRACTION, 0ull, uniform, hist_w, hist_c,
-                                    hist_k, &pick);
-    if (threadIdx.x == 0) ids[b] = index_of(chosen != 0ull ? chosen : best);
 }
-"""
+""".replace("SAMPLE_THREADS", str(_THREADS))
 )
 
 
@@ -459,6 +624,7 @@ def _sample_cpu(
     steps: np.ndarray,
     logits: np.ndarray,
     keys: np.ndarray,
+    row0: np.int64,
     rows: np.int64,
     vocab: np.int64,
     row_stride: np.int64,
@@ -468,23 +634,28 @@ def _sample_cpu(
     top_p: np.float64,
     min_p: np.float64,
     advance: np.int32,
+    scratch: np.ndarray,
+    span: np.int64,
     status: np.ndarray,
 ) -> None:
-    n, words = int(rows), int(key_words)
-    values = _rows(logits, n, int(vocab), int(row_stride))
-    row_keys = keys[: n * words].reshape(n, words)
-    for b in range(n):
+    """Rows row0 .. row0 + rows - 1; the scratch is where the kernel's blocks meet, which the
+    twin does not need."""
+    words, first, n = int(key_words), int(row0), int(rows)
+    values = _rows(logits[first * int(row_stride) :], n, int(vocab), int(row_stride))
+    row_keys = keys[first * words : (first + n) * words].reshape(n, words)
+    for r in range(n):
+        b = first + r
         step = int(steps[b])
-        key_ok = step >= 0 and int(row_keys[b].min(initial=0)) >= 0
+        key_ok = step >= 0 and int(row_keys[r].min(initial=0)) >= 0
         with np.errstate(over="ignore", invalid="ignore"):
-            top = np.float64(values[b].max()) / float(temperature)
-        if not key_ok or np.isnan(values[b]).any() or not np.isfinite(top):
+            top = np.float64(values[r].max()) / float(temperature)
+        if not key_ok or np.isnan(values[r]).any() or not np.isfinite(top):
             set_fault(status, KernelFault.SAMPLE_KEY if not key_ok else KernelFault.SAMPLE_LOGITS)
-            ids[b] = int(np.argmax(values[b]))
+            ids[b] = int(np.argmax(values[r]))
             continue
         ids[b] = ref.sample(
-            values[b : b + 1],
-            row_keys[b : b + 1],
+            values[r : r + 1],
+            row_keys[r : r + 1],
             steps[b : b + 1],
             temperature=float(temperature),
             top_k=int(top_k),
@@ -501,8 +672,9 @@ ARGMAX_KERNELS = register_per_dtype(
 SAMPLE_KERNELS = register_per_dtype(
     "sample_topp",
     _SAMPLE_BODY,
-    "i64* i64* T* i64* i64 i64 i64 i32 f64 i64 f64 f64 i32 u32*",
+    "i64* i64* T* i64* i64 i64 i64 i64 i32 f64 i64 f64 f64 i32 u64* i64 u32*",
     _sample_cpu,
+    cooperative=True,
 )
 
 
@@ -524,6 +696,17 @@ def argmax_scratch(dev: Device, batch: int, *, stream: Stream) -> Buffer:
     every graph replay on one stream (not two streams at once)."""
     positive("Sample", batch=batch)
     scratch = dev.alloc((batch, 2), np.uint64, stream=stream, name="argmax-scratch")
+    dev.fill(scratch, 0, stream=stream)
+    return scratch
+
+
+def sample_scratch(dev: Device, batch: int, *, stream: Stream) -> Buffer:
+    """Scratch for `sample` over ``batch`` rows: uint64 [batch, `SAMPLE_SCRATCH_WORDS`], where a
+    row's blocks meet (a barrier counter, the row's max and histograms). Every launch leaves it
+    ready for the next, so one serves every call on one stream (not two streams at once)."""
+    positive("Sample", batch=batch)
+    scratch = dev.alloc((batch, SAMPLE_SCRATCH_WORDS), np.uint64, stream=stream,
+                        name="sample-scratch")  # fmt: skip
     dev.fill(scratch, 0, stream=stream)
     return scratch
 
@@ -558,7 +741,7 @@ def argmax(
     check_buffer(op, "scratch", scratch, 2 * batch, np.dtype(np.uint64))
     kernel = dev.kernel(ARGMAX_KERNELS[suffix].name)
     kernel.launch(
-        (parts, batch), _ARGMAX_THREADS, ids, logits, batch, vocab, stride, scratch, ARGMAX_SPAN,
+        (parts, batch), _THREADS, ids, logits, batch, vocab, stride, scratch, ARGMAX_SPAN,
         stream=stream,
     )  # fmt: skip
 
@@ -578,6 +761,7 @@ def sample(
     min_p: float = 0.0,
     row_stride: int = 0,
     advance_steps: bool = False,
+    scratch: Buffer | None = None,
     status: Buffer,
     stream: Stream,
 ) -> None:
@@ -587,6 +771,9 @@ def sample(
     ``rng_keys`` int64 [batch, words] and ``steps`` int64 [batch] are the op's inputs (each row's
     generator entropy and the draws it made before); greedy (temperature 0) reads neither and may
     pass None. ``advance_steps`` adds 1 to each row's step after drawing (for captured replays).
+    A row is shared out over several blocks that meet in ``scratch`` (`sample_scratch`); pass
+    one that lives as long as the caller's buffers (a captured loop must), or None for a fresh
+    one for this call.
     """
     op = "Sample"
     try:
@@ -613,14 +800,34 @@ def sample(
     check_status(op, status)
     if batch == 0:
         return
+    if scratch is None:
+        scratch = sample_scratch(dev, batch, stream=stream)
+    check_buffer(op, "scratch", scratch, batch * SAMPLE_SCRATCH_WORDS, np.dtype(np.uint64))
     kernel = dev.kernel(SAMPLE_KERNELS[suffix].name)
-    kernel.launch(
-        batch,
-        _THREADS,
-        ids, steps, logits, rng_keys, batch, vocab, stride, words,
-        float(temperature), int(top_k), float(top_p), float(min_p), int(advance_steps), status,
-        stream=stream,
-    )  # fmt: skip
+    for row0, rows, parts, span in sample_grid(kernel.resident_blocks(_THREADS), batch, vocab):
+        kernel.launch(
+            (parts, rows),
+            _THREADS,
+            ids, steps, logits, rng_keys, row0, rows, vocab, stride, words,
+            float(temperature), int(top_k), float(top_p), float(min_p), int(advance_steps),
+            scratch, span, status,
+            stream=stream,
+        )  # fmt: skip
+
+
+def sample_grid(resident: int, batch: int, vocab: int) -> list[tuple[int, int, int, int]]:
+    """The sampling kernel's launches: (first row, rows, blocks a row, entries a block) each.
+    Its blocks wait for each other, so a launch holds at most ``resident`` blocks (what the
+    device runs at once): a row takes up to one block per `ARGMAX_SPAN` entries, fewer when the
+    batch needs the room, and a batch of more rows than that is sampled in several launches."""
+    need(resident >= 1, "Sample", "the sampling kernel cannot run a single block on this device")
+    per_launch = min(batch, resident, 65535)
+    launches = []
+    for row0 in range(0, batch, per_launch):
+        rows = min(per_launch, batch - row0)
+        parts = max(1, min(-(-vocab // ARGMAX_SPAN), resident // rows))
+        launches.append((row0, rows, parts, -(-vocab // parts)))
+    return launches
 
 
 def sample_fixed_point(

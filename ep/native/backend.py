@@ -493,8 +493,8 @@ class NativeBackend:
                 sample.sample(self.device, loop.sampled, plan.logits, loop.keys, loop.draws,
                               batch=rows, vocab=vocab, temperature=sampling.temperature,
                               top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-                              advance_steps=True, status=self.status,
-                              stream=self.stream)  # fmt: skip
+                              advance_steps=True, scratch=loop.sample_scratch,
+                              status=self.status, stream=self.stream)  # fmt: skip
             else:
                 sample.argmax(self.device, loop.sampled, plan.logits, batch=rows, vocab=vocab,
                               scratch=loop.scratch, stream=self.stream)  # fmt: skip
@@ -525,9 +525,9 @@ class NativeBackend:
         return ""
 
     def _loop_buffers(self, rows: int, count: int, masked: int) -> _LoopBuffers:
-        """The device loop's sampled ids, token history, mask ids and argmax scratch (grown, never
-        shrunk)."""
-        from ep.kernels.sample import argmax_scratch
+        """The device loop's sampled ids, token history, mask ids and the sampling kernels'
+        scratch (grown, never shrunk)."""
+        from ep.kernels.sample import argmax_scratch, sample_scratch
 
         have = self._loop.get(rows)
         if have is None or have.steps < count or have.masked < masked:
@@ -541,6 +541,9 @@ class NativeBackend:
                 history=dev.alloc((steps, rows), np.int64, stream=st, name=f"loop.hist:b{rows}"),
                 mask=dev.alloc(width, np.int64, stream=st, name=f"loop.mask:b{rows}"),
                 scratch=have.scratch if have else argmax_scratch(dev, rows, stream=st),
+                sample_scratch=(
+                    have.sample_scratch if have else sample_scratch(dev, rows, stream=st)
+                ),
                 keys=dev.alloc((rows, 2), np.int64, stream=st, name=f"loop.keys:b{rows}"),
                 draws=dev.alloc(rows, np.int64, stream=st, name=f"loop.draws:b{rows}"),
             )
@@ -558,6 +561,7 @@ class _LoopBuffers:
     history: Any
     mask: Any
     scratch: Any  # `ep.kernels.sample.argmax_scratch`
+    sample_scratch: Any  # `ep.kernels.sample.sample_scratch`
     keys: Any  # int64 [batch, 2]: each row's generator entropy (seed, row) when sampling
     draws: Any  # int64 [batch]: the uniforms each row drew so far (the kernel counts on)
 

@@ -283,6 +283,55 @@ def test_kernel_with_more_than_48k_dynamic_shared_memory(
     assert dst.to_host(stream=s).tobytes() == data.tobytes()
 
 
+def _rotate_cpu(out: np.ndarray, seen: np.ndarray, counter: np.ndarray, blocks: np.uint32) -> None:
+    n = int(blocks)
+    out[:n] = np.arange(n)
+    seen[:n] = np.roll(np.arange(n), -1)
+    counter[0] = n
+
+
+# Each block writes its index, all meet at a barrier in global memory, then each reads its
+# neighbour's: right only if every block of the grid is resident at once (a cooperative launch).
+_ROTATE = KernelSource(
+    name="test_cooperative_rotate",
+    source="""
+extern "C" __global__ void test_cooperative_rotate(unsigned* out, unsigned* seen,
+                                                   unsigned* counter, unsigned blocks) {
+    if (threadIdx.x == 0) {
+        out[blockIdx.x] = blockIdx.x;
+        __threadfence();
+        atomicAdd(counter, 1u);
+        while (atomicAdd(counter, 0u) < blocks) __nanosleep(64);
+        __threadfence();
+        seen[blockIdx.x] = __ldcg(out + (blockIdx.x + 1) % blocks);
+    }
+}
+""",
+    params=("u32*", "u32*", "u32*", "u32"),
+    cpu=_rotate_cpu,
+    cooperative=True,
+)
+
+
+def test_cooperative_kernel_blocks_meet(device: Device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cooperative kernel's whole grid is resident at once (its blocks wait for each other);
+    a grid past what the device holds is refused before anything runs."""
+    s = device.default_stream
+    kernel = device.kernel(_ROTATE)
+    most = kernel.resident_blocks(128)
+    assert most >= 1
+    blocks = min(most, 256)
+    out, seen, counter = (device.alloc(blocks, np.uint32, stream=s) for _ in range(3))
+    device.fill(counter, 0, stream=s)
+    kernel.launch(blocks, 128, out, seen, counter, blocks, stream=s)
+    np.testing.assert_array_equal(seen.to_host(stream=s), np.roll(np.arange(blocks), -1))
+    monkeypatch.setattr(kernel, "resident_blocks", lambda block, shared_mem=0: 4)
+    device.fill(seen, 7, stream=s)
+    with pytest.raises(DeviceError, match=r"cooperative kernel .* 8 blocks, .* at most 4 of 128"):
+        kernel.launch(8, 128, out, seen, counter, 8, stream=s)
+    assert (seen.to_host(stream=s) == 7).all()
+
+
 # --- capture ---------------------------------------------------------------------------------
 
 

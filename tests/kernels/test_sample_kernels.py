@@ -299,6 +299,123 @@ def test_sample_refuses_bad_settings(device: Device) -> None:
     assert (ids.to_host(stream=device.default_stream) == -7).all()
 
 
+def _sample_call(device: Device, values: np.ndarray, keys: np.ndarray, steps: Buffer, **kw):
+    """ids of `sample.sample` over ``values`` (uploaded), with ``kw`` passed on."""
+    batch, vocab = values.shape
+    ids = poisoned_ids(device, batch)
+    status = new_status(device, stream=device.default_stream)
+    sample.sample(device, ids, upload(device, values), upload(device, keys), steps, batch=batch,
+                  vocab=vocab, status=status, stream=device.default_stream, **kw)  # fmt: skip
+    check_faults(device, status, stream=device.default_stream)
+    return ids.to_host(stream=device.default_stream)
+
+
+def _assert_scratch_ready(device: Device, scratch: Buffer) -> None:
+    """What every launch must leave: zeros but each row's barrier counter (word 0), which its
+    epoch (word 1) has caught up with."""
+    words = scratch.to_host(stream=device.default_stream)
+    np.testing.assert_array_equal(words[:, 0], words[:, 1])
+    assert not words[:, 2:].any()
+
+
+def test_sampling_reuses_its_scratch_across_calls_and_settings(device: Device) -> None:
+    """One scratch, many calls (other settings, fewer rows, the vocabulary over many blocks):
+    each call's ids are the reference's, and each leaves the scratch ready for the next."""
+    rng = np.random.default_rng(8)
+    batch, vocab = 4, 5 * sample.ARGMAX_SPAN + 123
+    scratch = sample.sample_scratch(device, batch, stream=device.default_stream)
+    keys = np.stack([np.full(batch, 31), np.arange(batch)], axis=1).astype(np.int64)
+    for call, settings in enumerate(SETTINGS[:5] * 2):
+        rows = batch - call % 2  # a call over fewer rows leaves the last row's scratch alone
+        values = logits_like_a_model(rng, rows, vocab)
+        steps = np.full(rows, call, np.int64)
+        got = _sample_call(device, values, keys[:rows], upload(device, steps), scratch=scratch,
+                           **settings)  # fmt: skip
+        want = ref.sample(values, keys[:rows], steps, temperature=settings["temperature"],
+                          top_k=settings.get("top_k", 0), top_p=settings.get("top_p", 1.0),
+                          min_p=settings.get("min_p", 0.0))  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+        _assert_scratch_ready(device, scratch)
+
+
+def test_sampling_in_several_launches_when_the_blocks_do_not_fit(
+    device: Device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A device that holds only 5 blocks at once: 12 rows go in 3 launches of one block a row
+    (the kernel's blocks wait for each other, so a launch must fit), same ids."""
+    kernel = device.kernel(sample.SAMPLE_KERNELS["f32"].name)
+    monkeypatch.setattr(kernel, "resident_blocks", lambda block, shared_mem=0: 5)
+    rng = np.random.default_rng(3)
+    batch, vocab = 12, 3 * sample.ARGMAX_SPAN
+    values = logits_like_a_model(rng, batch, vocab)
+    keys = np.stack([np.full(batch, 5), np.arange(batch)], axis=1).astype(np.int64)
+    steps = np.arange(batch, dtype=np.int64)
+    scratch = sample.sample_scratch(device, batch, stream=device.default_stream)
+    got = _sample_call(device, values, keys, upload(device, steps), scratch=scratch,
+                       temperature=0.9, top_p=0.8)  # fmt: skip
+    want = ref.sample(values, keys, steps, temperature=0.9, top_k=0, top_p=0.8, min_p=0.0)
+    np.testing.assert_array_equal(got, want)
+    _assert_scratch_ready(device, scratch)
+
+
+def test_sample_grid_fits_the_device() -> None:
+    """Launches cover every row once; no launch holds more blocks than the device runs at once;
+    every row's blocks cover its vocabulary."""
+    span = sample.ARGMAX_SPAN
+    assert sample.sample_grid(264, 1, 151936) == [(0, 1, 38, 3999)]
+    assert sample.sample_grid(264, 16, 151936) == [(0, 16, 16, 9496)]
+    assert sample.sample_grid(264, 8, 100) == [(0, 8, 1, 100)]
+    for resident, batch, vocab in [(264, 300, 151936), (5, 12, 3 * span), (1, 3, 7), (7, 7, 9)]:
+        launches = sample.sample_grid(resident, batch, vocab)
+        rows = [r for row0, n, _, _ in launches for r in range(row0, row0 + n)]
+        assert rows == list(range(batch))
+        for _, n, parts, span_ in launches:
+            assert n * parts <= resident
+            assert parts * span_ >= vocab > (parts - 1) * span_ - span_
+    with pytest.raises(KernelArgumentError, match="cannot run a single block"):
+        sample.sample_grid(0, 1, 10)
+
+
+def test_sampling_replays_in_a_graph_with_its_scratch(device: Device) -> None:
+    """A captured sample over a persistent scratch, advancing the steps: each replay draws the
+    reference's next ids."""
+    s = device.default_stream
+    batch, vocab = 3, 151936
+    keys = np.stack([np.full(batch, 77), np.arange(batch)], axis=1).astype(np.int64)
+    logits = device.alloc((batch, vocab), np.float32, stream=s)
+    dkeys, dsteps = upload(device, keys), upload(device, np.zeros(batch, np.int64))
+    ids = poisoned_ids(device, batch)
+    status = new_status(device, stream=s)
+    scratch = sample.sample_scratch(device, batch, stream=s)
+    device.kernel(sample.SAMPLE_KERNELS["f32"].name).load()
+    with device.capture(stream=s) as cap:
+        sample.sample(device, ids, logits, dkeys, dsteps, batch=batch,
+                      vocab=vocab, temperature=0.8, top_p=0.9, advance_steps=True,
+                      scratch=scratch, status=status, stream=s)  # fmt: skip
+    rng = np.random.default_rng(6)
+    for step in range(3):
+        values = logits_like_a_model(rng, batch, vocab)
+        logits.copy_from_host(values, stream=s)
+        cap.graph.launch(stream=s)
+        want = ref.sample(values, keys, np.full(batch, step, np.int64), temperature=0.8,
+                          top_k=0, top_p=0.9, min_p=0.0)  # fmt: skip
+        np.testing.assert_array_equal(ids.to_host(stream=s), want)
+    check_faults(device, status, stream=s)
+    _assert_scratch_ready(device, scratch)
+
+
+def test_sample_refuses_a_bad_scratch(device: Device) -> None:
+    s = device.default_stream
+    values = upload(device, np.zeros((2, 8), np.float32))
+    keys, steps = upload(device, np.zeros((2, 1), np.int64)), upload(device, np.zeros(2, np.int64))
+    ids = poisoned_ids(device, 2)
+    common = dict(batch=2, vocab=8, temperature=1.0, status=new_status(device, stream=s), stream=s)
+    small = device.alloc(sample.SAMPLE_SCRATCH_WORDS, np.uint64, stream=s)
+    with pytest.raises(KernelArgumentError, match=r"scratch .* holds 2312 elements; .* need 4624"):
+        sample.sample(device, ids, values, keys, steps, scratch=small, **common)
+    assert (ids.to_host(stream=s) == -7).all()
+
+
 # --- the device arithmetic, in NumPy, against the float64 reference -----------------------------
 
 
