@@ -165,6 +165,8 @@ class NativeBackend:
         self._real = 0  # the caller's rows: the first ones
         self._loop: dict[int, _LoopBuffers] = {}
         self._pinned_logits: dict[tuple[int, ...], PinnedBuffer] = {}
+        self._last_logits: dict[tuple[int, ...], Any] = {}  # per shape: a prefill's last rows
+        self._prefilled: Any = None  # the last prefill's last rows, until the next step
         self.decode_syncs = 0  # host synchronisations of decode steps (one per step or steps)
         self.sync_every = sync_every
         self._decoding = False
@@ -315,6 +317,7 @@ class NativeBackend:
         lens, width = prompt_lengths(prompts, self.model.context_length)
         rows = self._rows_for(batch)
         self._decoding = False
+        self._prefilled = None
         self._table = None
         kv = self._kv
         padded = np.zeros(rows, np.int64)
@@ -336,13 +339,72 @@ class NativeBackend:
         for call in bound.calls:
             call()
         self._end_step(batch, bound.fixed)  # the real rows' tokens
-        logits = self._logits_to_host(plan)
+        last = self._last_rows(plan.logits)
+        logits = self._logits_to_host(last)
         self._check_faults()
         self.lens = padded
         self._real = batch
         self._decoding = True
+        self._prefilled = last
         self._growths_seen = kv.growths
-        return np.array(logits[:batch, -1], dtype=np.float32)  # a copy: the buffer is reused
+        return np.array(logits[:batch], dtype=np.float32)  # a copy: the buffer is reused
+
+    def _last_rows(self, logits: Any) -> Any:
+        """A prefill's logits [rows, width, vocab] at each row's last position, [rows, vocab] on
+        the device (one strided copy): only those go to the host, and `first_tokens` reads them."""
+        rows, width, vocab = logits.shape
+        last = self._last_logits.get((rows, vocab))
+        if last is None:
+            last = self.device.alloc((rows, vocab), logits.dtype, stream=self.stream,
+                                     name=f"logits.last:{rows}x{vocab}")  # fmt: skip
+            self._last_logits[(rows, vocab)] = last
+        row = vocab * logits.dtype.itemsize
+        self.device.copy_2d(last, logits, width=row, height=rows, dst_pitch=row,
+                            src_pitch=width * row, src_offset=(width - 1) * row,
+                            stream=self.stream)  # fmt: skip
+        return last
+
+    def first_tokens(
+        self, *, mask: Sequence[int] | np.ndarray = (), sampling: SamplingParams | None = None
+    ) -> np.ndarray:
+        """Each row's first new token, picked on the device from the last prefill's logits as
+        `steps` picks the later ones: the ids in ``mask`` set to -inf, then the argmax, or with
+        ``sampling`` row b's draw number 0 of ``default_rng([sampling.seed, b])`` (so `steps`
+        continues with ``draws=1``). Int64 [batch], after one synchronisation; once a prefill,
+        before the first step (the mask is written into the logits)."""
+        if self._prefilled is None:
+            raise GenerationError(
+                "first_tokens() reads the last prefill's logits: call it once after prefill() "
+                "and before step() or steps()"
+            )
+        from ep.kernels import sample
+
+        if sampling is not None and (refusal := self.sampling_refusal(sampling)):
+            raise GenerationError(f"first_tokens(sampling=...) with {refusal}")
+        draw = sampling is not None and not sampling.greedy
+        vocab = self.model.vocab_size
+        masked = self._checked_mask(mask, vocab)
+        rows = self.lens.size
+        logits, self._prefilled = self._prefilled, None
+        loop = self._loop_buffers(rows, 1, masked.size)
+        if masked.size:
+            loop.mask.copy_from_host(masked, stream=self.stream)
+            nk.mask_ids(self.device, logits, loop.mask, batch=rows, count=masked.size,
+                        vocab=vocab, stream=self.stream)  # fmt: skip
+        if draw:
+            assert sampling is not None
+            self._upload_keys(loop, sampling, rows, 0)
+            sample.sample(self.device, loop.sampled, logits, loop.keys, loop.draws, batch=rows,
+                          vocab=vocab, temperature=sampling.temperature, top_k=sampling.top_k,
+                          top_p=sampling.top_p, min_p=sampling.min_p,
+                          scratch=loop.sample_scratch, status=self.status,
+                          stream=self.stream)  # fmt: skip
+        else:
+            sample.argmax(self.device, loop.sampled, logits, batch=rows, vocab=vocab,
+                          scratch=loop.scratch, stream=self.stream)  # fmt: skip
+        ids = loop.sampled.to_host(stream=self.stream)
+        self._check_faults()
+        return np.asarray(ids).reshape(-1)[: self._real].astype(np.int64, copy=True)
 
     def _decode_once(self, plan: StepPlan, ahead: int) -> None:
         """One decode step of ``plan`` (its ids and positions already on the device), the
@@ -379,11 +441,10 @@ class NativeBackend:
         self.capture.run(info, bound.calls, growths=kv.growths)
         self._end_step(self._real, bound.fixed)  # the real rows' tokens
 
-    def _logits_to_host(self, plan: StepPlan) -> np.ndarray:
-        """The step's logits on the host, through a pinned buffer kept per shape: a copy from
-        pageable memory runs at a fraction of the bus speed (batch 16 x 151936 fp32 logits are
-        9.7 MB a step). The result is the caller's (the pinned buffer is reused)."""
-        logits = plan.logits
+    def _logits_to_host(self, logits: Any) -> np.ndarray:
+        """``logits`` on the host, through a pinned buffer kept per shape: a copy from pageable
+        memory runs at a fraction of the bus speed (batch 16 x 151936 fp32 logits are 9.7 MB a
+        step). The result is the caller's (the pinned buffer is reused)."""
         pinned = self._pinned_logits.get(logits.shape)
         if pinned is None:
             pinned = self.device.alloc_pinned(
@@ -414,8 +475,9 @@ class NativeBackend:
             raise GenerationError("step() before prefill(): run a prefill first")
         plan = self._plan(self.lens.size, 1)
         self._upload_step(plan, tokens)
+        self._prefilled = None
         self._decode_once(plan, 0)
-        logits = self._logits_to_host(plan)
+        logits = self._logits_to_host(plan.logits)
         self._check_faults()
         self.decode_syncs += 1
         self.lens[: self._real] += 1
@@ -456,12 +518,7 @@ class NativeBackend:
                 f"{self.model.context_length} tokens ({room} left); run at most {room} steps"
             )
         vocab = self.model.vocab_size
-        masked = np.asarray(mask, dtype=np.int64).reshape(-1)
-        if masked.size and (masked.min() < 0 or masked.max() >= vocab):
-            raise GenerationError(
-                f"steps(mask=...) holds id {int(masked[(masked < 0) | (masked >= vocab)][0])}, "
-                f"outside the vocabulary [0, {vocab})"
-            )
+        masked = self._checked_mask(mask, vocab)
         from ep.kernels import sample
 
         if sampling is not None and (refusal := self.sampling_refusal(sampling)):
@@ -471,7 +528,7 @@ class NativeBackend:
             )
         draw = sampling is not None and not sampling.greedy
         if draw:
-            _check_draws(draws, vocab)
+            _check_draws(draws)
         rows = self.lens.size
         plan = self._plan(rows, 1)
         loop = self._loop_buffers(rows, count, masked.size)
@@ -479,9 +536,8 @@ class NativeBackend:
             loop.mask.copy_from_host(masked, stream=self.stream)
         if draw:
             assert sampling is not None
-            keys = np.stack([np.full(rows, sampling.seed), np.arange(rows)], axis=1)
-            loop.keys.copy_from_host(keys.astype(np.int64), stream=self.stream)
-            loop.draws.copy_from_host(np.full(rows, draws, np.int64), stream=self.stream)
+            self._upload_keys(loop, sampling, rows, draws)
+        self._prefilled = None
         self._upload_step(plan, tokens)
         for j in range(count):
             self._decode_once(plan, j)
@@ -508,19 +564,46 @@ class NativeBackend:
         return out[:, : self._real].astype(np.int64, copy=True)
 
     @staticmethod
-    def sampling_refusal(sampling: SamplingParams) -> str:
+    def _checked_mask(mask: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
+        masked = np.asarray(mask, dtype=np.int64).reshape(-1)
+        if masked.size and (masked.min() < 0 or masked.max() >= vocab):
+            raise GenerationError(
+                f"mask holds id {int(masked[(masked < 0) | (masked >= vocab)][0])}, outside the "
+                f"vocabulary [0, {vocab})"
+            )
+        return masked
+
+    def _upload_keys(
+        self, loop: _LoopBuffers, sampling: SamplingParams, rows: int, draws: int
+    ) -> None:
+        """Row b's generator key (seed, b) and the uniforms it drew so far, for the kernel."""
+        keys = np.stack([np.full(rows, sampling.seed), np.arange(rows)], axis=1)
+        loop.keys.copy_from_host(keys.astype(np.int64), stream=self.stream)
+        loop.draws.copy_from_host(np.full(rows, draws, np.int64), stream=self.stream)
+
+    def sampling_refusal(self, sampling: SamplingParams) -> str:
         """Why `steps` cannot pick tokens with ``sampling`` on the device ("" when it can): the
-        repetition penalty needs each row's history on the host, and a draw needs a seed the
-        device's int64 generator keys hold. The generator asks before it uses the device loop."""
+        repetition penalty needs each row's history on the host, a draw needs a seed the
+        device's int64 generator keys hold, and a vocabulary the sampling kernel's integer
+        weights hold. The generator asks before it uses the device loop."""
+        from ep.kernels.sample import MAX_SAMPLE_VOCAB
+
         if sampling.uses_history:
             return (
                 f"repetition_penalty={sampling.repetition_penalty}: the penalty needs each row's "
                 "token history, which the host keeps (no repetition penalty on the device)"
             )
-        if not sampling.greedy and (sampling.seed is None or sampling.seed >= 2**63):
+        if sampling.greedy:
+            return ""
+        if sampling.seed is None or sampling.seed >= 2**63:
             return (
                 f"seed={sampling.seed!r}; the device's generators need a seed below 2**63 (their "
                 "keys are int64; the generator draws one when none is given)"
+            )
+        if self.model.vocab_size > MAX_SAMPLE_VOCAB:
+            return (
+                f"a vocabulary of {self.model.vocab_size} ids; the sampling kernel draws from at "
+                f"most {MAX_SAMPLE_VOCAB}"
             )
         return ""
 
@@ -566,17 +649,9 @@ class _LoopBuffers:
     draws: Any  # int64 [batch]: the uniforms each row drew so far (the kernel counts on)
 
 
-def _check_draws(draws: int, vocab: int) -> None:
-    """Refuse a draw count or a vocabulary the sampling kernel cannot take."""
-    from ep.kernels.sample import MAX_SAMPLE_VOCAB
-
+def _check_draws(draws: int) -> None:
     if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 0:
         raise GenerationError(f"steps(draws={draws!r}); expected an integer >= 0")
-    if vocab > MAX_SAMPLE_VOCAB:
-        raise GenerationError(
-            f"a vocabulary of {vocab} is over the {MAX_SAMPLE_VOCAB} ids the sampling kernel "
-            "handles; sample on the host (decode.sync_every = 1)"
-        )
 
 
 def _binding_signature(plan: StepPlan, binding: KVBinding) -> BindingSignature:

@@ -411,6 +411,10 @@ class Generator:
             if block is not None:
                 ids = block[used].copy()
                 used += 1
+            elif device_loop:  # the first token, on the device as the loop picks the rest
+                ids = self.backend.first_tokens(  # type: ignore[attr-defined]
+                    mask=stops if step < min_new else (), sampling=sampling
+                )
             else:
                 if step < min_new and stops.size:
                     logits[:, stops if single_stop is None else single_stop] = -np.inf

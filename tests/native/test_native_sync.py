@@ -16,7 +16,7 @@ from ep.model import load_model
 from ep.native import NativeBackend
 from ep.native._kernels import advance, mask_ids
 from ep.runtime import GenerationOptions, Generator
-from ep.sampling import SamplingParams
+from ep.sampling import SamplingParams, make_rngs, sample
 from ep_builtin.capture_warmup import WarmupCapture
 from ep_builtin.kv_head_major import HeadMajorLayout
 from ep_builtin.kv_seq_major import SeqMajorLayout
@@ -132,6 +132,44 @@ def test_sampling_on_the_device_gives_the_host_tokens(model, kind: str, every: i
     assert got.tokens != generator(model, 1, **opts).generate(PROMPTS).tokens  # not greedy
 
 
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_first_tokens_are_picked_on_the_device_as_the_host_picks_them(model, kind: str) -> None:
+    """The device loop's first token: the prefill's last logits, masked, then the argmax or row
+    b's first uniform of default_rng([seed, b]): the host's pick from the returned logits."""
+    device_or_skip(kind)
+    backend = NativeBackend(model, HeadMajorLayout(), device=kind)
+    prompts = [np.array(p) for p in PROMPTS]
+    logits = backend.prefill(prompts)
+    np.testing.assert_array_equal(backend.first_tokens(), logits.argmax(-1))
+    top = int(logits[0].argmax())
+    masked = logits.copy()
+    masked[:, top] = -np.inf
+    backend.prefill(prompts)
+    np.testing.assert_array_equal(backend.first_tokens(mask=[top]), masked.argmax(-1))
+    backend.prefill(prompts)
+    want = sample(masked, SAMPLING, make_rngs(SAMPLING.seed, len(prompts)))
+    np.testing.assert_array_equal(backend.first_tokens(mask=[top], sampling=SAMPLING), want)
+    assert not np.array_equal(want, masked.argmax(-1))  # a draw, not the argmax
+
+
+def test_first_tokens_only_once_after_a_prefill(model) -> None:
+    backend = NativeBackend(model, HeadMajorLayout())
+    with pytest.raises(GenerationError, match=r"call it once after prefill\(\)"):
+        backend.first_tokens()
+    backend.prefill([np.array(PROMPTS[3])])
+    ids = backend.first_tokens()
+    with pytest.raises(GenerationError, match="once after prefill"):
+        backend.first_tokens()  # its logits were masked in place
+    backend.prefill([np.array(PROMPTS[3])])
+    with pytest.raises(GenerationError, match="outside the vocabulary"):
+        backend.first_tokens(mask=[-1])
+    with pytest.raises(GenerationError, match=r"seed=None; the device's generators need a seed"):
+        backend.first_tokens(sampling=SamplingParams(0.5))
+    backend.steps(ids, 2)
+    with pytest.raises(GenerationError, match="once after prefill"):
+        backend.first_tokens()
+
+
 def test_sampling_without_a_seed_runs_on_the_device(model) -> None:
     gen = generator(model, 4, max_new_tokens=9, min_new_tokens=9)
     result = gen.generate(PROMPTS[:2], sampling=SamplingParams(temperature=1.0))
@@ -144,6 +182,26 @@ def test_a_seed_too_large_for_the_device_falls_back_with_a_note(model) -> None:
     result = gen.generate([PROMPTS[3]], sampling=SamplingParams(temperature=0.7, seed=2**64))
     assert any("seed below 2**63" in n for n in result.notes)
     assert gen.backend.decode_syncs == 4  # type: ignore[attr-defined]
+
+
+def test_a_vocabulary_past_the_sampling_kernel_falls_back_with_a_note(model, monkeypatch) -> None:
+    from ep.kernels import sample as sample_kernels
+
+    monkeypatch.setattr(sample_kernels, "MAX_SAMPLE_VOCAB", model.vocab_size - 1)
+    gen = generator(model, 4, max_new_tokens=5, min_new_tokens=0)
+    drawn = SamplingParams(temperature=0.7, seed=3)
+    result = gen.generate([PROMPTS[3]], sampling=drawn)
+    assert any(f"a vocabulary of {model.vocab_size} ids" in n for n in result.notes)
+    assert gen.backend.decode_syncs == 4  # type: ignore[attr-defined]
+    assert (
+        result.tokens
+        == generator(model, 1, max_new_tokens=5, min_new_tokens=0)
+        .generate([PROMPTS[3]], sampling=drawn)
+        .tokens
+    )
+    with pytest.raises(GenerationError, match="the sampling kernel draws from at most"):
+        gen.backend.steps(np.array([1]), 2, sampling=drawn)  # type: ignore[attr-defined]
+    assert not generator(model, 4, max_new_tokens=5, min_new_tokens=0).generate([PROMPTS[3]]).notes
 
 
 def test_steps_refuses_bad_requests(model) -> None:

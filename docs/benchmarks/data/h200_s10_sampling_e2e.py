@@ -7,7 +7,8 @@ tokens (none stops), batch 1, 4 and 16: greedy with decode.sync_every = 16; temp
 top-p 0.9 (seed 7) with sync_every = 16 (the sampling kernel on the device) and, at batch 1 and 4,
 sync_every = 1 (the logits to the host each step, `ep.sampling.sample` there). Each setting runs
 three times after a warm-up (the capture); the median of the three runs' mean decode ms a step is
-reported, with whether the sampled tokens of sync_every 1 and 16 agree.
+reported (and the median prefill ms, host wall clock, the logits of the prompt's last token
+on the host included), with whether the sampled tokens of sync_every 1 and 16 agree.
 """
 
 import argparse
@@ -51,15 +52,17 @@ for batch in (int(b) for b in a.batches.split(",")):
         gen = Generator(model, layout=SeqMajorLayout(fixed_stride=True), backend=backend,
                         options=opts)  # fmt: skip
         gen.generate(prompts, sampling=sampling)  # warm: the capture
-        means = []
+        means, prefills = [], []
         for _ in range(3):
             result = gen.generate(prompts, sampling=sampling)
             means.append(result.metrics.decode_ms_per_step_mean)
+            prefills.append(result.metrics.prefill_ms)
         tokens[name, every] = result.tokens
         runs_ms = ", ".join(f"{m:.3f}" for m in means)
         print(f"batch {batch:2d} {name:7s} sync_every {every:2d}: decode "
-              f"{statistics.median(means):.3f} ms a step (runs {runs_ms}), notes "
-              f"{list(result.notes)}", flush=True)  # fmt: skip
+              f"{statistics.median(means):.3f} ms a step (runs {runs_ms}), prefill "
+              f"{statistics.median(prefills):.2f} ms, notes {list(result.notes)}",
+              flush=True)  # fmt: skip
     if ("sampled", 1) in tokens:
         agree = tokens["sampled", 1] == tokens["sampled", 16]
         print(f"batch {batch:2d}: sampled tokens of sync_every 1 and 16 agree: {agree}", flush=True)
