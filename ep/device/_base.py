@@ -13,10 +13,11 @@ replaced buffer makes it stale, which `Graph.check` reports the same way on both
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Literal
@@ -353,6 +354,7 @@ class Stream:
                 f"cannot synchronise stream {self.name!r} while it is capturing a graph: end the "
                 "capture first"
             )
+        self.device._note_operation()
         self.device._stream_sync(self)
 
     def record(self, event: Event | None = None) -> Event:
@@ -365,6 +367,7 @@ class Stream:
         event = event if event is not None else self.device.create_event()
         if event.device is not self.device:
             raise DeviceError(f"event from {event.device.name} recorded on {self.device.name}")
+        self.device._note_operation()
         self.device._event_record(event, self)
         event._recorded = True
         recording = self._recording
@@ -374,6 +377,7 @@ class Stream:
 
     def wait(self, event: Event) -> None:
         """Make later work on this stream wait for ``event``."""
+        self.device._note_operation()
         if not event._recorded:
             raise DeviceError("waiting on an event that was never recorded: record it first")
         recording, captured = self._recording, event._capture
@@ -547,23 +551,16 @@ class Kernel:
                 "launch fewer blocks"
             )
         converted = self._convert(args)
-        recording = stream._recording
-        if recording is not None:
-            if not self.loaded:
-                raise DeviceError(
-                    f"kernel {self.name!r} was launched inside a capture before it was compiled: "
-                    "call device.compile_all() (or kernel.load()) before capturing"
-                )
-            for arg in converted:
-                if isinstance(arg, _Pointer):
-                    recording.bind(arg.buffer)
-            recording.launches += 1
-            recording.queued(stream)
-            device._launch(self, grid3, block3, converted, shared_mem, stream)
-            return
+        if stream._recording is not None and not self.loaded:
+            raise DeviceError(
+                f"kernel {self.name!r} was launched inside a capture before it was compiled: "
+                "call device.compile_all() (or kernel.load()) before capturing"
+            )
         self.load()
-        device._launch(self, grid3, block3, converted, shared_mem, stream)
-        device._ledger.add("launches", 1)
+        launch = _Launch(self, grid3, block3, converted, shared_mem, stream)
+        if device._recorder is not None:
+            device._recorder.launches.append(launch)
+        launch.issue()
 
     def _convert(self, args: Sequence[Any]) -> list[KernelArg]:
         if len(args) != len(self._params):
@@ -614,6 +611,66 @@ class Kernel:
 
     def _where(self, index: int) -> str:
         return f"argument {index} ({self.source.params[index]}) of {self.source.signature}"
+
+
+class _Launch:
+    """One checked kernel launch, its arguments converted: issued again as it was by a
+    `LaunchRecord`'s replay."""
+
+    __slots__ = ("args", "block", "buffers", "grid", "kernel", "shared_mem", "stream")
+
+    def __init__(
+        self,
+        kernel: Kernel,
+        grid: Dim3,
+        block: Dim3,
+        args: list[KernelArg],
+        shared_mem: int,
+        stream: Stream,
+    ) -> None:
+        self.kernel, self.grid, self.block, self.args = kernel, grid, block, args
+        self.shared_mem, self.stream = shared_mem, stream
+        self.buffers = [arg.buffer for arg in args if isinstance(arg, _Pointer)]
+
+    def issue(self) -> None:
+        """Launch (inside a capture: into the graph, its buffers bound to it)."""
+        device, stream = self.kernel.device, self.stream
+        recording = stream._recording
+        if recording is not None:
+            for buffer in self.buffers:
+                recording.bind(buffer)
+            recording.launches += 1
+            recording.queued(stream)
+            device._launch(self.kernel, self.grid, self.block, self.args, self.shared_mem, stream)
+            return
+        device._launch(self.kernel, self.grid, self.block, self.args, self.shared_mem, stream)
+        device._ledger.add("launches", 1)
+
+
+class LaunchRecord:
+    """The kernel launches made inside `Device.record_launches`, to be issued again as they were.
+
+    ``replayable`` holds when the block did nothing on the device but launch kernels (no
+    allocation, copy, fill, synchronisation or event): then `replay` repeats exactly its device
+    work without its host work (the ops' checks and planning, the arguments' conversion). The
+    launches read each buffer's address when they run, as a graph replay does, so a replay is
+    right as long as the recorded call would launch the same kernels with the same arguments.
+    """
+
+    def __init__(self) -> None:
+        self.launches: list[_Launch] = []
+        self.operations = 0  # device operations of any kind, launches included
+
+    @property
+    def replayable(self) -> bool:
+        return self.operations == len(self.launches)
+
+    def replay(self) -> None:
+        for launch in self.launches:
+            for buffer in launch.buffers:
+                if buffer.closed:
+                    buffer._check_open(f"replaying {launch.kernel.source.signature}")
+            launch.issue()
 
 
 # --- capture and graphs ----------------------------------------------------------------------
@@ -860,6 +917,7 @@ class Device:
         self._open_captures = 0
         self._deferred: list[_Allocation] = []
         self._kernels: dict[str, Kernel] = {}
+        self._recorder: LaunchRecord | None = None  # `record_launches`, while one is open
         self._default_stream: Stream | None = None
         self._serial = 0
 
@@ -882,7 +940,25 @@ class Device:
         self._serial += 1
         return f"{kind}#{self._serial}"
 
+    def _note_operation(self) -> None:
+        if self._recorder is not None:
+            self._recorder.operations += 1
+
+    @contextlib.contextmanager
+    def record_launches(self) -> Iterator[LaunchRecord]:
+        """Record the kernel launches made inside the block (they run as usual) and count every
+        other device operation, so the block's device work can be replayed without its host
+        work when it was launches only (`LaunchRecord`). Not nested."""
+        if self._recorder is not None:
+            raise DeviceError(f"record_launches on {self.name} is already open; they do not nest")
+        record = self._recorder = LaunchRecord()
+        try:
+            yield record
+        finally:
+            self._recorder = None
+
     def _check_stream(self, stream: Stream) -> None:
+        self._note_operation()  # every operation on a stream checks it first
         if not isinstance(stream, Stream):
             raise DeviceError(f"stream must be a Stream, got {type(stream).__name__}")
         if stream.device is not self:
@@ -1338,7 +1414,7 @@ class Device:
         source = registry.get(kernel) if isinstance(kernel, str) else kernel
         known = self._kernels.get(source.name)
         if known is not None:
-            if not known.source.same_kernel(source):
+            if known.source is not source and not known.source.same_kernel(source):
                 raise DeviceError(
                     f"{self.name} already loaded a different kernel named {source.name!r}"
                 )

@@ -49,7 +49,7 @@ from ep.model import DecoderModel, default_cache_dir, load_model
 from ep.native import _kernels as nk
 from ep.native.capture import CaptureManager, CaptureMetrics
 from ep.native.kv import DeviceKVCache
-from ep.native.plan import KVBinding, StepPlan, split_specs, weight_reads
+from ep.native.plan import KVBinding, StepPlan, replay_enabled, split_specs, weight_reads
 from ep.native.program import Program, load_program
 from ep.native.weights import OffloadedWeights, ResidentWeights, WeightSource
 from ep.offload import (
@@ -169,6 +169,7 @@ class NativeBackend:
         self._prefilled: Any = None  # the last prefill's last rows, until the next step
         self.decode_syncs = 0  # host synchronisations of decode steps (one per step or steps)
         self.sync_every = sync_every
+        self.replay = replay_enabled()  # eager calls issue the launches their first run recorded
         self._decoding = False
 
     # --- Backend --------------------------------------------------------------------------------
@@ -274,6 +275,8 @@ class NativeBackend:
             return found
         calls = plan.bind(binding)
         fixed = None
+        if self.offloaded is None and self.replay:
+            calls = [_Replayed(call, self.device) for call in calls]
         if self.offloaded is not None:
             fixed = self.offloaded.fixed_reads(plan.bound_weights)
             # first and last work of the step, so a capture holds the store's copies too
@@ -664,6 +667,33 @@ def _binding_signature(plan: StepPlan, binding: KVBinding) -> BindingSignature:
     s = binding.strides
     geometry = (s.batch, s.token, s.head, s.dim, s.page, s.page_size, binding.capacity)
     return BindingSignature((*sig.bindings, ("kv.geometry", 0, geometry, "int64")))
+
+
+class _Replayed:
+    """A bound call whose first run records its kernel launches: later runs issue them again as
+    they were, without the op's host work (checks, planning, argument conversion: tens of µs a
+    launch, most of an eager step's and a prefill's host time). A call stays bound only while
+    its signature holds (`_binding_signature`: what it bakes in), as its graph does. One that
+    did anything else on the device (a copy, a fill, an allocation, a synchronisation) runs as
+    itself every time."""
+
+    __slots__ = ("call", "device", "record")
+
+    def __init__(self, call: Any, device: Any) -> None:
+        self.call = call
+        self.device = device
+        self.record: Any = None  # a LaunchRecord once recorded, False when not replayable
+
+    def __call__(self) -> None:
+        record = self.record
+        if record:
+            record.replay()
+        elif record is False:
+            self.call()
+        else:
+            with self.device.record_launches() as record:
+                self.call()
+            self.record = record if record.replayable else False
 
 
 class _Bound:

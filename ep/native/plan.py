@@ -64,9 +64,10 @@ from ep.native.weights import WeightSource
 from ep.offload import SplitSpec, SplitWeight
 from ep.seams import KVStrides
 
-__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "FUSE_QKV_ENV",
+__all__ = ["EARLY_ENV", "FUSE_ENV", "FUSE_MLP_ENV", "FUSE_QKV_ENV", "REPLAY_ENV",
            "KVBinding", "StepPlan", "WeightRead", "early_enabled", "fuse_enabled",
-           "fuse_mlp_enabled", "fuse_qkv_enabled", "split_specs", "weight_reads"]  # fmt: skip
+           "fuse_mlp_enabled", "fuse_qkv_enabled", "replay_enabled", "split_specs",
+           "weight_reads"]  # fmt: skip
 
 _ALIGN = 256  # bytes: every arena slot starts on a 256-byte boundary (vector loads, cp.async)
 _VIEWS = ("BitCast", "Identity", "Split", "Reshape")  # no work: no call, no weight read
@@ -77,6 +78,7 @@ FUSE_ENV = "GENAI_EP_FUSE"  # 0: no fused QKV commit (each node its own call), f
 FUSE_MLP_ENV = "GENAI_EP_FUSE_MLP"  # 0: no SwiGLU epilogue in the gate/up GEMV (A/B runs)
 FUSE_QKV_ENV = "GENAI_EP_FUSE_QKV"  # 0: the fused QKV commit is its own call, not a GEMV epilogue
 EARLY_ENV = "GENAI_EP_EARLY"  # 0: GEMVs never load resident weights before their PDL wait (A/B)
+REPLAY_ENV = "GENAI_EP_REPLAY"  # 0: eager calls run their op's host work every time (A/B runs)
 
 
 def _switch(name: str, off: str, on: str, environ: Mapping[str, str] | None) -> bool:
@@ -107,6 +109,12 @@ def early_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether plans tell GEMVs that weights bound once are resident (`EARLY_ENV`: unset or 1
     yes, 0 no), so they load them before waiting for the previous kernel."""
     return _switch(EARLY_ENV, "weights after the wait", "resident weights first", environ)
+
+
+def replay_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether an eager call issues the kernel launches its first run recorded (`REPLAY_ENV`:
+    unset or 1 yes, 0 no: the op's checks and planning run every time)."""
+    return _switch(REPLAY_ENV, "the op's host work every call", "replay its launches", environ)
 
 
 @dataclass(frozen=True)

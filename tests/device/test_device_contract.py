@@ -332,6 +332,89 @@ def test_cooperative_kernel_blocks_meet(device: Device, monkeypatch: pytest.Monk
     assert (seen.to_host(stream=s) == 7).all()
 
 
+# --- recorded launches ---------------------------------------------------------------------
+
+
+def test_recorded_launches_replay_the_same_device_work(device: Device) -> None:
+    """A block of launches only is replayable: a replay issues its launches again (counted as
+    launches), reading the buffers as they are then; the host work before them does not run."""
+    s = device.default_stream
+    n = 1000
+    x = device.to_device(np.arange(n, dtype=np.float32), stream=s)
+    y = device.to_device(np.ones(n, np.float32), stream=s)
+    axpy = device.kernel("axpy_f32")
+    host_work = []
+    with device.record_launches() as record:
+        host_work.append(1)
+        axpy.launch(4, 256, y, x, 0.5, n, stream=s)
+        axpy.launch(4, 256, y, x, 0.25, n, stream=s)
+    assert record.replayable and len(record.launches) == 2
+    before = device.counters().launches
+    x.copy_from_host(np.full(n, 2.0, np.float32), stream=s)
+    record.replay()
+    assert device.counters().launches == before + 2 and host_work == [1]
+    want = np.float32(1.0) + np.float32(0.5) * np.arange(n, dtype=np.float32)
+    want = want + np.float32(0.25) * np.arange(n, dtype=np.float32)
+    want = want + np.float32(0.5) * np.float32(2.0) + np.float32(0.25) * np.float32(2.0)
+    np.testing.assert_array_equal(y.to_host(stream=s), want)
+
+
+@pytest.mark.parametrize("other", ["fill_2d", "copy", "alloc", "sync", "event"])
+def test_a_block_doing_more_than_launches_is_not_replayable(device: Device, other: str) -> None:
+    s = device.default_stream
+    y = device.alloc(64, np.float32, stream=s)
+    device.fill(y, 0.0, stream=s)
+    with device.record_launches() as record:
+        device.kernel("axpy_f32").launch(1, 64, y, y, 1.0, 64, stream=s)
+        if other == "fill_2d":
+            device.fill_2d(y, 0, width=16, height=2, pitch=64, stream=s)
+        elif other == "copy":
+            y.copy_from_host(np.zeros(64, np.float32), stream=s)
+        elif other == "alloc":
+            device.alloc(8, np.float32, stream=s)
+        elif other == "sync":
+            s.sync()
+        else:
+            s.record()
+    assert not record.replayable
+
+
+def test_a_fill_is_a_launch_and_replays_as_one(device: Device) -> None:
+    s = device.default_stream
+    y = device.alloc(64, np.float32, stream=s)
+    with device.record_launches() as record:
+        device.fill(y, 2.5, stream=s)
+    assert record.replayable
+    y.copy_from_host(np.zeros(64, np.float32), stream=s)
+    record.replay()
+    np.testing.assert_array_equal(y.to_host(stream=s), np.full(64, 2.5, np.float32))
+
+
+def test_recorded_launches_replay_into_a_capture_and_refuse_freed_buffers(device: Device) -> None:
+    s = device.default_stream
+    n = 256
+    x = device.to_device(np.ones(n, np.float32), stream=s)
+    y = device.to_device(np.zeros(n, np.float32), stream=s)
+    with device.record_launches() as record:
+        device.kernel("axpy_f32").launch(1, 256, y, x, 3.0, n, stream=s)
+    with device.capture(stream=s) as cap:
+        record.replay()
+    assert cap.graph.launches == 1
+    cap.graph.launch(stream=s)
+    np.testing.assert_array_equal(y.to_host(stream=s), np.full(n, 6.0, np.float32))
+    cap.graph.close()
+    with (
+        pytest.raises(DeviceError, match="already open"),
+        device.record_launches(),
+        device.record_launches(),
+    ):
+        pass
+    x.free()
+    with pytest.raises(DeviceError, match=r"closed|freed"):
+        record.replay()
+    np.testing.assert_array_equal(y.to_host(stream=s), np.full(n, 6.0, np.float32))
+
+
 # --- capture ---------------------------------------------------------------------------------
 
 

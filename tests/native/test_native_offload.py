@@ -267,6 +267,7 @@ def _matmul_residency(backend: NativeBackend) -> dict[bool, list[bool]]:
     found: dict[bool, list[bool]] = {}
     for bound in backend._bound.values():
         for call in bound.calls:
+            call = getattr(call, "call", call)  # a replayed call: the call it replays
             fetches = isinstance(call, _FetchingCall)
             func = call._func if fetches else getattr(call, "func", None)
             if func in (matmul.gemm, matmul.gemm_nbits):
