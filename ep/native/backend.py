@@ -380,31 +380,13 @@ class NativeBackend:
                 "first_tokens() reads the last prefill's logits: call it once after prefill() "
                 "and before step() or steps()"
             )
-        from ep.kernels import sample
-
         if sampling is not None and (refusal := self.sampling_refusal(sampling)):
             raise GenerationError(f"first_tokens(sampling=...) with {refusal}")
-        draw = sampling is not None and not sampling.greedy
-        vocab = self.model.vocab_size
-        masked = self._checked_mask(mask, vocab)
-        rows = self.lens.size
+        drawn = None if sampling is None or sampling.greedy else sampling
+        masked = self._checked_mask(mask, self.model.vocab_size)
         logits, self._prefilled = self._prefilled, None
-        loop = self._loop_buffers(rows, 1, masked.size)
-        if masked.size:
-            loop.mask.copy_from_host(masked, stream=self.stream)
-            nk.mask_ids(self.device, logits, loop.mask, batch=rows, count=masked.size,
-                        vocab=vocab, stream=self.stream)  # fmt: skip
-        if draw:
-            assert sampling is not None
-            self._upload_keys(loop, sampling, rows, 0)
-            sample.sample(self.device, loop.sampled, logits, loop.keys, loop.draws, batch=rows,
-                          vocab=vocab, temperature=sampling.temperature, top_k=sampling.top_k,
-                          top_p=sampling.top_p, min_p=sampling.min_p,
-                          scratch=loop.sample_scratch, status=self.status,
-                          stream=self.stream)  # fmt: skip
-        else:
-            sample.argmax(self.device, loop.sampled, logits, batch=rows, vocab=vocab,
-                          scratch=loop.scratch, stream=self.stream)  # fmt: skip
+        loop = self._loop_for(1, masked, drawn, 0)
+        self._pick(loop, logits, masked.size, drawn)
         ids = loop.sampled.to_host(stream=self.stream)
         self._check_faults()
         return np.asarray(ids).reshape(-1)[: self._real].astype(np.int64, copy=True)
@@ -520,43 +502,23 @@ class NativeBackend:
                 f"steps(count={count}) would write past the context of "
                 f"{self.model.context_length} tokens ({room} left); run at most {room} steps"
             )
-        vocab = self.model.vocab_size
-        masked = self._checked_mask(mask, vocab)
-        from ep.kernels import sample
-
+        masked = self._checked_mask(mask, self.model.vocab_size)
         if sampling is not None and (refusal := self.sampling_refusal(sampling)):
             raise GenerationError(
                 f"steps(sampling=...) with {refusal}; sample one step at a time "
                 "(decode.sync_every = 1)"
             )
-        draw = sampling is not None and not sampling.greedy
-        if draw:
+        drawn = None if sampling is None or sampling.greedy else sampling
+        if drawn is not None:
             _check_draws(draws)
         rows = self.lens.size
         plan = self._plan(rows, 1)
-        loop = self._loop_buffers(rows, count, masked.size)
-        if masked.size:
-            loop.mask.copy_from_host(masked, stream=self.stream)
-        if draw:
-            assert sampling is not None
-            self._upload_keys(loop, sampling, rows, draws)
+        loop = self._loop_for(count, masked, drawn, draws)
         self._prefilled = None
         self._upload_step(plan, tokens)
         for j in range(count):
             self._decode_once(plan, j)
-            if j < mask_steps and masked.size:
-                nk.mask_ids(self.device, plan.logits, loop.mask, batch=rows,
-                            count=masked.size, vocab=vocab, stream=self.stream)  # fmt: skip
-            if draw:
-                assert sampling is not None
-                sample.sample(self.device, loop.sampled, plan.logits, loop.keys, loop.draws,
-                              batch=rows, vocab=vocab, temperature=sampling.temperature,
-                              top_k=sampling.top_k, top_p=sampling.top_p, min_p=sampling.min_p,
-                              advance_steps=True, scratch=loop.sample_scratch,
-                              status=self.status, stream=self.stream)  # fmt: skip
-            else:
-                sample.argmax(self.device, loop.sampled, plan.logits, batch=rows, vocab=vocab,
-                              scratch=loop.scratch, stream=self.stream)  # fmt: skip
+            self._pick(loop, plan.logits, masked.size if j < mask_steps else 0, drawn)
             nk.advance(self.device, plan.input_ids, plan.positions, loop.history, loop.sampled,
                        batch=rows, slot=j, stream=self.stream)  # fmt: skip
         history = loop.history.to_host(stream=self.stream)  # the one synchronisation
@@ -565,6 +527,28 @@ class NativeBackend:
         self.lens[: self._real] += count
         out = np.asarray(history).reshape(-1)[: count * rows].reshape(count, rows)
         return out[:, : self._real].astype(np.int64, copy=True)
+
+    def _pick(
+        self, loop: _LoopBuffers, logits: Any, masked: int, sampling: SamplingParams | None
+    ) -> None:
+        """Each row's next id into ``loop.sampled`` from ``logits`` [rows, vocab] on the device:
+        the first ``masked`` ids of ``loop.mask`` set to -inf, then the argmax, or a draw with
+        ``sampling`` (each row's key and draw count in ``loop``, the count then advanced)."""
+        from ep.kernels import sample
+
+        rows, vocab = self.lens.size, self.model.vocab_size
+        if masked:
+            nk.mask_ids(self.device, logits, loop.mask, batch=rows, count=masked, vocab=vocab,
+                        stream=self.stream)  # fmt: skip
+        if sampling is None:
+            sample.argmax(self.device, loop.sampled, logits, batch=rows, vocab=vocab,
+                          scratch=loop.scratch, stream=self.stream)  # fmt: skip
+            return
+        sample.sample(self.device, loop.sampled, logits, loop.keys, loop.draws, batch=rows,
+                      vocab=vocab, temperature=sampling.temperature, top_k=sampling.top_k,
+                      top_p=sampling.top_p, min_p=sampling.min_p, advance_steps=True,
+                      scratch=loop.sample_scratch, status=self.status,
+                      stream=self.stream)  # fmt: skip
 
     @staticmethod
     def _checked_mask(mask: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
@@ -576,13 +560,20 @@ class NativeBackend:
             )
         return masked
 
-    def _upload_keys(
-        self, loop: _LoopBuffers, sampling: SamplingParams, rows: int, draws: int
-    ) -> None:
-        """Row b's generator key (seed, b) and the uniforms it drew so far, for the kernel."""
-        keys = np.stack([np.full(rows, sampling.seed), np.arange(rows)], axis=1)
-        loop.keys.copy_from_host(keys.astype(np.int64), stream=self.stream)
-        loop.draws.copy_from_host(np.full(rows, draws, np.int64), stream=self.stream)
+    def _loop_for(
+        self, count: int, masked: np.ndarray, drawn: SamplingParams | None, draws: int
+    ) -> _LoopBuffers:
+        """The loop buffers for ``count`` steps, holding the ``masked`` ids and, for a draw,
+        row b's generator key (seed, b) and the uniforms it drew so far."""
+        rows = self.lens.size
+        loop = self._loop_buffers(rows, count, masked.size)
+        if masked.size:
+            loop.mask.copy_from_host(masked, stream=self.stream)
+        if drawn is not None:
+            keys = np.stack([np.full(rows, drawn.seed), np.arange(rows)], axis=1)
+            loop.keys.copy_from_host(keys.astype(np.int64), stream=self.stream)
+            loop.draws.copy_from_host(np.full(rows, draws, np.int64), stream=self.stream)
+        return loop
 
     def sampling_refusal(self, sampling: SamplingParams) -> str:
         """Why `steps` cannot pick tokens with ``sampling`` on the device ("" when it can): the
