@@ -3,8 +3,8 @@
 #
 #   bash tools/gpu_run.sh [OUT]        # OUT defaults to $OUT, else ./gpu-results
 #   LARGE=0 skips the 1.5B-shaped offload run; ALL=1 adds the whole test suite.
-#   STAGES="tests profile" runs only those stages (tests profile kernels native large; default
-#   all): a session's calls on the device machine are at most 10 minutes each. TESTS="PATH ..."
+#   STAGES="tests profile" runs only those stages (tests profile kernels sampling native large;
+#   default all): a session's calls on the device machine are at most 10 minutes each. TESTS="PATH ..."
 #   narrows the tests stage to those paths (default: tests).
 #
 # The machine has no network: wheels the project needs beyond what is installed there
@@ -43,7 +43,7 @@ python3 -m ep.cli kernels --json >"$out/kernels.json" || { echo "kernel compile 
 
 # Each stage has a time limit (seconds; the device time of a session is short) and writes its
 # results under OUT as it goes, so a stage that runs out of time still leaves the others'.
-STAGES=" ${STAGES:-tests profile kernels native large} "
+STAGES=" ${STAGES:-tests profile kernels sampling native large} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
 stage() {  # stage LIMIT NAME COMMAND...
     local limit=$1 name=$2
@@ -79,6 +79,13 @@ if want kernels; then
     TAIL=14 stage 200 bench-kernels python3 tools/bench_kernels.py --out "$out" --reps 20 --no-torch \
         --gemv v1,v2 --attention v1,v2
     bench_rc=$?
+fi
+if want sampling; then
+    mkdir -p "$out/sampling"
+    TAIL=20 stage 120 bench-sampling python3 tools/bench_sampling.py --batch 1,4,16,64 --reps 50 \
+        --out "$out/sampling"
+    sampling_rc=$?  # a kernel benchmark too: ids not the reference's fail it
+    [ "$bench_rc" = 0 ] && bench_rc=$sampling_rc
 fi
 if want native; then
     TAIL=60 stage 300 bench-native python3 tools/bench_native.py --device cuda \

@@ -504,6 +504,11 @@ class Kernel:
         key = (threads, int(shared_mem))
         count = self._resident.get(key)
         if count is None:
+            if not self.loaded and self.device._open_captures:
+                raise DeviceError(
+                    f"kernel {self.name!r} was asked its resident blocks inside a capture before "
+                    "it was compiled: call device.compile_all() (or kernel.load()) before capturing"
+                )
             self.load()
             count = self._resident[key] = self.device._resident_blocks(self, threads, key[1])
         return count

@@ -550,6 +550,11 @@ def test_capture_needs_kernels_compiled_first(device: Device) -> None:
     assert not kernel.loaded
     with pytest.raises(DeviceError, match="compile_all"), device.capture(stream=s):
         kernel.launch(1, 32, y, 2.0, stream=s)
+    with (
+        pytest.raises(DeviceError, match=r"resident blocks .*compile_all"),
+        device.capture(stream=s),
+    ):
+        kernel.resident_blocks(32)
     device.compile_all(registry=registry)
     assert kernel.loaded
     device.fill(y, 1.5, stream=s)
