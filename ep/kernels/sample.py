@@ -43,9 +43,9 @@ arithmetic, for tests.
 
 Cost, measured on the H200 at V = 151936: greedy, a graph of the one kernel 5.6 µs at batch 1 and
 8.8 at 16, mostly the graph launch (one block a row took 23 µs). Sampling with one block a row
-took 0.4 to 1.6 ms, re-reading the row once per digit pass on one SM; `tools/bench_sampling.py`
-measures the kernel as it is now, against the argmax and NumPy in the same run
-(docs/benchmarks/h200.md).
+took about 0.4 to 1.3 ms, re-reading the row once per digit pass on one SM;
+`tools/bench_sampling.py` measures the kernel as it is now, against the argmax and NumPy in the
+same run (docs/benchmarks/native.md, "The sampling kernel").
 
 Bad data never crashes: a NaN, +inf or all -inf row (no finite top logit) or a negative key or
 step returns the row's argmax and sets `KernelFault.SAMPLE_LOGITS` / ``SAMPLE_KEY``.
@@ -87,7 +87,9 @@ __all__ = [
 FIXED_POINT_BITS = 43  # weight of the top candidate: 2**43
 MAX_SAMPLE_VOCAB = 1 << 20  # keeps the sum of weights below 2**63
 MAX_KEY_WORDS = 16
-SAMPLE_SCRATCH_WORDS = 8 + 3 * 768  # a row's scratch for sampling: the kernel's S_WORDS
+_SCRATCH_HEADER = 8  # a row's scratch for sampling: 8 words of state, then 3 histograms of
+_SCRATCH_HIST = 3 * 256  # weights, counts and lone keys of 256 digits each (the kernel's S_*)
+SAMPLE_SCRATCH_WORDS = _SCRATCH_HEADER + 3 * _SCRATCH_HIST
 # Both kernels: blocks of 512 threads, each over 8 elements a thread of a row (one load round), so
 # the 151936-entry vocabulary of a Qwen2.5 row is 38 blocks, not one block walking it 149 times.
 # Sampling takes fewer, longer spans where a batch's blocks would not all fit on the device at
@@ -292,8 +294,8 @@ struct Pick { int digit; u32 count; u64 above; u64 key; u64 target; };
 #define S_UNIFORM 4   // the row's uniform, as double bits (block 0)
 #define S_BAD_KEY 5   // a negative key word or step (block 0)
 #define S_DEPARTED 6  // blocks done with this launch: the last one resets the scratch
-#define S_HIST 8      // three histograms of [w 256][c 256][k 256], used round robin by the passes
-#define S_HIST_WORDS 768
+#define S_HIST SCRATCH_HEADER  // three histograms [w 256][c 256][k 256], round robin by the passes
+#define S_HIST_WORDS SCRATCH_HIST
 #define S_WORDS (S_HIST + 3 * S_HIST_WORDS)
 #define SAMPLE_CACHED 8  // a block's share of at most 8 elements a thread stays in registers
 
@@ -596,6 +598,8 @@ extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS, 2) KERNEL(
     }
 }
 """.replace("SAMPLE_THREADS", str(_THREADS))
+    .replace("SCRATCH_HEADER", str(_SCRATCH_HEADER))
+    .replace("SCRATCH_HIST", str(_SCRATCH_HIST))
 )
 
 
