@@ -7,8 +7,9 @@ into this project's ops first (`ep.rewrite.rewrite_model`, cached under
 ``default_cache_dir()/native``). CPU runs the kernels' NumPy twins on the CPU device; CUDA the
 kernels themselves: one executor.
 
-Device token loop (``sync_every`` = k, ``decode.sync_every``): `NativeBackend.steps` runs k
-decode steps with no host synchronisation between them: each step's calls (through the
+Device token loop (``sync_every`` = k, ``decode.sync_every``; k = 1 too, unless
+``device_picks=False``): `NativeBackend.steps` runs k decode steps with no host synchronisation
+between them: each step's calls (through the
 `CaptureManager`), a masked argmax (`ep.kernels.sample.argmax`, after ``native_mask_ids`` while
 EOS/stop ids are masked) or, with sampling parameters, a draw on the device
 (`ep.kernels.sample.sample`: `ep.sampling`'s semantics and each row's own random numbers) into
@@ -105,6 +106,7 @@ class NativeBackend:
         sources: Mapping[str, str] | None = None,
         cache_dir: str | Path | None = None,
         sync_every: int = 1,
+        device_picks: bool = True,
     ) -> None:
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ConfigError(
@@ -169,6 +171,9 @@ class NativeBackend:
         self._prefilled: Any = None  # the last prefill's last rows, until the next step
         self.decode_syncs = 0  # host synchronisations of decode steps (one per step or steps)
         self.sync_every = sync_every
+        # The generator picks tokens through `first_tokens` and `steps` (on the device) at any
+        # sync_every; False: through `step`'s logits on the host (the reference's own sampler).
+        self.device_picks = bool(device_picks)
         self.replay = replay_enabled()  # eager calls issue the launches their first run recorded
         self._decoding = False
 
@@ -505,8 +510,8 @@ class NativeBackend:
         masked = self._checked_mask(mask, self.model.vocab_size)
         if sampling is not None and (refusal := self.sampling_refusal(sampling)):
             raise GenerationError(
-                f"steps(sampling=...) with {refusal}; sample one step at a time "
-                "(decode.sync_every = 1)"
+                f"steps(sampling=...) with {refusal}; pick on the host from step()'s logits "
+                "(the generator does so by itself)"
             )
         drawn = None if sampling is None or sampling.greedy else sampling
         if drawn is not None:

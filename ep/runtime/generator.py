@@ -367,21 +367,23 @@ class Generator:
             else None
         )
         greedy_fast = sampling.greedy and not sampling.uses_history
-        # The device token loop (native backend, decode.sync_every = k > 1): k steps on the
-        # device per host synchronisation; its tokens are consumed below one at a time, as if
-        # picked here, so stops apply per token and tokens past a stop or the end are dropped.
+        # The device token loop (native backend, decode.sync_every = k, k = 1 included): k steps
+        # on the device per host synchronisation, the tokens picked there; they are consumed
+        # below one at a time, as if picked here, so stops apply per token and tokens past a
+        # stop or the end are dropped.
         every = int(getattr(self.backend, "sync_every", 1))
-        device_loop = every > 1 and hasattr(self.backend, "steps")
+        device_loop = hasattr(self.backend, "steps") and getattr(self.backend, "device_picks", True)
         if device_loop and not sampling.greedy and sampling.seed is None:
             # the device's generators are seeded: draw one here (the host's rngs use it too)
             fresh = np.random.SeedSequence().generate_state(1, np.uint64)[0] >> np.uint64(1)
             sampling = dataclasses.replace(sampling, seed=int(fresh))
         refusal = self.backend.sampling_refusal(sampling) if device_loop else ""  # type: ignore[attr-defined]
-        if refusal:
-            notes.append(
-                f"decode.sync_every={every} cannot pick tokens on the device with {refusal}; "
-                "ran with sync_every=1"
-            )
+        if refusal:  # picked on the host from each step's logits; said when k > 1 was asked
+            if every > 1:
+                notes.append(
+                    f"decode.sync_every={every} cannot pick tokens on the device with {refusal}; "
+                    "ran with sync_every=1, picking them on the host"
+                )
             device_loop = False
         rngs = None if sampling.greedy else make_rngs(sampling.seed, batch)
         seen = seen_mask(prompts, batch, vocab) if sampling.uses_history else None

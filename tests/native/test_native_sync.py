@@ -1,5 +1,6 @@
-"""The device token loop (``decode.sync_every = k``): k greedy steps per host synchronisation give
-the tokens of k = 1, stops and ``min_new_tokens`` included."""
+"""The device token loop (``decode.sync_every = k``): k steps per host synchronisation, their tokens
+picked on the device (k = 1 too), give the tokens picked on the host from each step's logits
+(``device_picks=False``), stops and ``min_new_tokens`` included."""
 
 from __future__ import annotations
 
@@ -37,8 +38,9 @@ def model():
     return load_model(TINY / "genai-fp32")
 
 
-def generator(model, every: int, **options) -> Generator:
-    backend = NativeBackend(model, HeadMajorLayout(), capture=WarmupCapture(), sync_every=every)
+def generator(model, every: int, *, device_picks: bool = True, **options) -> Generator:
+    backend = NativeBackend(model, HeadMajorLayout(), capture=WarmupCapture(), sync_every=every,
+                            device_picks=device_picks)  # fmt: skip
     opts = GenerationOptions(**{"max_new_tokens": N, "min_new_tokens": N, **options})
     return Generator(model, layout=HeadMajorLayout(), backend=backend, options=opts)
 
@@ -57,7 +59,7 @@ def test_cli_batch_gives_genai_tokens_for_every_k(capsys, every: int) -> None:
     assert result["metrics"]["capture"]["fallbacks"] == 0
 
 
-@pytest.mark.parametrize("every", [4, 7])
+@pytest.mark.parametrize("every", [1, 4, 7])
 def test_one_host_sync_per_block(model, every: int) -> None:
     gen = generator(model, every)
     result = gen.generate(PROMPTS)
@@ -71,7 +73,7 @@ def test_stop_inside_a_block_discards_the_tokens_after_it(model) -> None:
     # Row 0's token 10 is a stop id: with k = 4 it is the 2nd token of the 3rd block.
     stop = EXPECTED["genai-fp32"][0][10]
     opts = {"min_new_tokens": 0, "stop_token_ids": (stop,)}
-    want = generator(model, 1, **opts).generate(PROMPTS)
+    want = generator(model, 1, device_picks=False, **opts).generate(PROMPTS)
     got = generator(model, 4, **opts).generate(PROMPTS)
     assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
     assert got.tokens[0] == tuple(EXPECTED["genai-fp32"][0][:11])
@@ -82,7 +84,7 @@ def test_stop_inside_a_block_discards_the_tokens_after_it(model) -> None:
 def test_all_rows_stopping_mid_block_ends_generation(model) -> None:
     row = EXPECTED["genai-fp32"][3]
     opts = {"min_new_tokens": 0, "stop_token_ids": (row[9],)}
-    want = generator(model, 1, **opts).generate([PROMPTS[3]])
+    want = generator(model, 1, device_picks=False, **opts).generate([PROMPTS[3]])
     got = generator(model, 7, **opts).generate([PROMPTS[3]])
     assert got.tokens == want.tokens == (tuple(row[: row.index(row[9]) + 1]),)
 
@@ -92,7 +94,7 @@ def test_stop_ids_are_masked_on_the_device_until_min_new_tokens(model) -> None:
     # mask it too (without the mask it would pick it at step 5 and diverge from k = 1).
     stop = EXPECTED["genai-fp32"][0][5]
     opts = {"min_new_tokens": 8, "stop_token_ids": (stop,), "max_new_tokens": 20}
-    want = generator(model, 1, **opts).generate(PROMPTS)
+    want = generator(model, 1, device_picks=False, **opts).generate(PROMPTS)
     got = generator(model, 3, **opts).generate(PROMPTS)
     assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
     assert got.tokens[0][5] != stop
@@ -110,7 +112,7 @@ SAMPLING = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, min_p=0.02, seed
 
 
 @pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("every", [4, 7])
+@pytest.mark.parametrize("every", [1, 4, 7])
 def test_sampling_on_the_device_gives_the_host_tokens(model, kind: str, every: int) -> None:
     # Each row draws its uniforms from default_rng([seed, row]) on the device as on the host,
     # one a step, with the stop id masked until min_new_tokens: the tokens of k = 1.
@@ -118,17 +120,18 @@ def test_sampling_on_the_device_gives_the_host_tokens(model, kind: str, every: i
     stop = EXPECTED["genai-fp32"][0][3]
     opts = {"max_new_tokens": 24, "min_new_tokens": 6, "stop_token_ids": (stop,)}
 
-    def run(k: int):
+    def run(k: int, device_picks: bool = True):
         backend = NativeBackend(model, HeadMajorLayout(), device=kind, capture=WarmupCapture(),
-                                sync_every=k)  # fmt: skip
+                                sync_every=k, device_picks=device_picks)  # fmt: skip
         gen = Generator(model, layout=HeadMajorLayout(), backend=backend,
                         options=GenerationOptions(**opts))  # fmt: skip
         return gen.generate(PROMPTS, sampling=SAMPLING), backend
 
-    want, _ = run(1)
+    want, _ = run(1, device_picks=False)  # picked on the host, from each step's logits
     got, backend = run(every)
     assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
-    assert not got.notes and backend.decode_syncs < len(max(got.tokens, key=len)) - 1
+    longest = len(max(got.tokens, key=len))
+    assert not got.notes and backend.decode_syncs == -(-(longest - 1) // every)
     assert got.tokens != generator(model, 1, **opts).generate(PROMPTS).tokens  # not greedy
 
 
@@ -170,6 +173,27 @@ def test_first_tokens_only_once_after_a_prefill(model) -> None:
         backend.first_tokens()
 
 
+@pytest.mark.parametrize("device_picks", [True, False])
+def test_who_picks_the_tokens_at_one_step_a_sync(model, monkeypatch, device_picks: bool) -> None:
+    """decode.sync_every = 1 picks on the device through steps(..., 1) unless device_picks=False,
+    which picks on the host from each step's logits; the same tokens either way."""
+    gen = generator(model, 1, device_picks=device_picks)
+    calls = {"step": 0, "steps": 0}
+    for name in calls:
+        real = getattr(gen.backend, name)
+
+        def counted(*a, _name=name, _real=real, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(gen.backend, name, counted)
+    result = gen.generate(PROMPTS, sampling=SAMPLING)
+    want = {True: {"step": 0, "steps": N - 1}, False: {"step": N - 1, "steps": 0}}
+    assert calls == want[device_picks] and not result.notes
+    other = generator(model, 1, device_picks=not device_picks).generate(PROMPTS, sampling=SAMPLING)
+    assert result.tokens == other.tokens
+
+
 def test_sampling_without_a_seed_runs_on_the_device(model) -> None:
     gen = generator(model, 4, max_new_tokens=9, min_new_tokens=9)
     result = gen.generate(PROMPTS[:2], sampling=SamplingParams(temperature=1.0))
@@ -195,7 +219,7 @@ def test_a_vocabulary_past_the_sampling_kernel_falls_back_with_a_note(model, mon
     assert gen.backend.decode_syncs == 4  # type: ignore[attr-defined]
     assert (
         result.tokens
-        == generator(model, 1, max_new_tokens=5, min_new_tokens=0)
+        == generator(model, 1, device_picks=False, max_new_tokens=5, min_new_tokens=0)
         .generate([PROMPTS[3]], sampling=drawn)
         .tokens
     )

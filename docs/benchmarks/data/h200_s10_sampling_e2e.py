@@ -5,7 +5,9 @@ the repository root on the GPU machine: ``python3 docs/benchmarks/data/h200_s10_
 The benchmark's Qwen2.5-0.5B-shaped bf16 model (vocab 151936), `Generator.generate`, 64 new
 tokens (none stops), batch 1, 4 and 16: greedy with decode.sync_every = 16; temperature 0.8 and
 top-p 0.9 (seed 7) with sync_every = 16 (the sampling kernel on the device) and, at batch 1 and 4,
-sync_every = 1 (the logits to the host each step, `ep.sampling.sample` there). Each setting runs
+sync_every = 1 picking on the host (the logits to the host each step, `ep.sampling.sample` there:
+``device_picks=False``; runs 2-4 of the session ran before that switch, when sync_every = 1 meant
+it). Each setting runs
 three times after a warm-up (the capture); the median of the three runs' mean decode ms a step is
 reported (and the median prefill ms, host wall clock, the logits of the prompt's last token
 on the host included), with whether the sampled tokens of sync_every 1 and 16 agree.
@@ -48,7 +50,8 @@ for batch in (int(b) for b in a.batches.split(",")):
     tokens = {}
     for name, sampling, every in runs:
         backend = NativeBackend(model, SeqMajorLayout(fixed_stride=True), device=a.device,
-                                capture=WarmupCapture(), sync_every=every)  # fmt: skip
+                                capture=WarmupCapture(), sync_every=every,
+                                device_picks=every > 1)  # fmt: skip
         gen = Generator(model, layout=SeqMajorLayout(fixed_stride=True), backend=backend,
                         options=opts)  # fmt: skip
         gen.generate(prompts, sampling=sampling)  # warm: the capture

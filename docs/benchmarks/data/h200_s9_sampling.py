@@ -39,8 +39,10 @@ for batch in (1, 4):
     prompts = [list(p) for p in make_prompts(batch, 32, model.vocab_size, seed=batch)]
     tokens = {}
     for every in (1, 16):
+        # sync_every 1 picked on the host then; device_picks=False keeps it so
         backend = NativeBackend(model, SeqMajorLayout(fixed_stride=True), device=a.device,
-                                capture=WarmupCapture(), sync_every=every)  # fmt: skip
+                                capture=WarmupCapture(), sync_every=every,
+                                device_picks=every > 1)  # fmt: skip
         gen = Generator(model, layout=SeqMajorLayout(fixed_stride=True), backend=backend,
                         options=opts)  # fmt: skip
         gen.generate(prompts, sampling=sampling)  # warm: the capture
