@@ -113,6 +113,11 @@ class NativeBackend:
                 f"sync_every={sync_every!r}; expected an integer >= 1 (decode steps between host "
                 "synchronisations; set decode.sync_every)"
             )
+        if not isinstance(device_picks, bool):
+            raise ConfigError(
+                f"device_picks={device_picks!r}; expected True (pick tokens on the device) or "
+                "False (on the host, from each step's logits)"
+            )
         model = as_ep_model(model, cache_dir)
         self.model = model
         self.device = get_device(device)
@@ -173,7 +178,7 @@ class NativeBackend:
         self.sync_every = sync_every
         # The generator picks tokens through `first_tokens` and `steps` (on the device) at any
         # sync_every; False: through `step`'s logits on the host (the reference's own sampler).
-        self.device_picks = bool(device_picks)
+        self.device_picks = device_picks
         self.replay = replay_enabled()  # eager calls issue the launches their first run recorded
         self._decoding = False
 

@@ -251,6 +251,8 @@ def test_steps_refuses_bad_requests(model) -> None:
         backend.steps(np.array([1]), 2, sampling=SamplingParams(0.5, seed=1), draws=-1)
     with pytest.raises(ConfigError, match="sync_every=0"):
         NativeBackend(model, HeadMajorLayout(), sync_every=0)
+    with pytest.raises(ConfigError, match=r"device_picks='no'; expected True .* or False"):
+        NativeBackend(model, HeadMajorLayout(), device_picks="no")  # type: ignore[arg-type]
 
 
 def test_stream_yields_the_device_loop_tokens_one_step_at_a_time(model) -> None:
