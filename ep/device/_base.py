@@ -904,6 +904,13 @@ class Capture:
 # --- the device ------------------------------------------------------------------------------
 
 
+def _check_byte_sizes(where: str, sizes: dict[str, Any]) -> None:
+    """Each of ``sizes`` (a 2-D copy's or fill's bytes and rows) is an integer >= 0."""
+    for key, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise DeviceError(f"{where}: {key}={value!r} must be an integer >= 0 (bytes or rows)")
+
+
 class Device:
     """A place where buffers live and kernels run: ``cpu`` or ``cuda:N``."""
 
@@ -1241,12 +1248,7 @@ class Device:
             "width": width, "height": height, "dst_pitch": dst_pitch, "src_pitch": src_pitch,
             "dst_offset": dst_offset, "src_offset": src_offset,
         }  # fmt: skip
-        for key, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-                raise DeviceError(
-                    f"copy_2d {src.name!r} -> {dst.name!r}: {key}={value!r} must be an integer "
-                    ">= 0 (bytes or rows)"
-                )
+        _check_byte_sizes(f"copy_2d {src.name!r} -> {dst.name!r}", sizes)
         if width > dst_pitch or width > src_pitch:
             raise DeviceError(
                 f"copy_2d {src.name!r} -> {dst.name!r}: width={width} bytes is wider than "
@@ -1282,13 +1284,17 @@ class Device:
                               stream),
         )  # fmt: skip
 
-    def _host_transfer_checks(self, buffer: Buffer, stream: Stream, what: str) -> None:
-        self._check_stream(stream)
+    def _check_buffer(self, buffer: Buffer, what: str) -> None:
+        """``buffer`` is an open Buffer of this device, or ``what`` fails saying which not."""
         if not isinstance(buffer, Buffer):
             raise DeviceError(f"{what}: expected a Buffer, got {type(buffer).__name__}")
         buffer._check_open(what)
         if buffer.device is not self:
             raise DeviceError(f"{what}: buffer {buffer.name!r} is on {buffer.device.name}")
+
+    def _host_transfer_checks(self, buffer: Buffer, stream: Stream, what: str) -> None:
+        self._check_stream(stream)
+        self._check_buffer(buffer, what)
         if stream.capturing:
             raise DeviceError(
                 f"{what} of {buffer.name!r} inside a capture: pageable NumPy memory cannot be "
@@ -1375,18 +1381,9 @@ class Device:
         one call, where `fill` would take one per row. Capturable (CUDA: ``cuMemsetD2D8Async``).
         """
         self._check_stream(stream)
-        if not isinstance(buffer, Buffer):
-            raise DeviceError(f"fill_2d: expected a Buffer, got {type(buffer).__name__}")
-        buffer._check_open("fill_2d")
-        if buffer.device is not self:
-            raise DeviceError(f"fill_2d: buffer {buffer.name!r} is on {buffer.device.name}")
+        self._check_buffer(buffer, "fill_2d")
         sizes = {"width": width, "height": height, "pitch": pitch, "offset": offset}
-        for key, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-                raise DeviceError(
-                    f"fill_2d {buffer.name!r}: {key}={value!r} must be an integer >= 0 (bytes or "
-                    "rows)"
-                )
+        _check_byte_sizes(f"fill_2d {buffer.name!r}", sizes)
         if isinstance(byte, bool) or not isinstance(byte, int | np.integer) or not 0 <= byte < 256:
             raise DeviceError(f"fill_2d {buffer.name!r}: byte={byte!r}; expected 0 to 255")
         if height > 1 and width > pitch:
