@@ -285,14 +285,14 @@ class NativeBackend:
             return found
         calls = plan.bind(binding)
         fixed = None
-        if self.offloaded is None and self.replay:
-            calls = [_Replayed(call, self.device) for call in calls]
-        if self.offloaded is not None:
+        if self.offloaded is not None:  # fetched weights move between calls: never replayed
             fixed = self.offloaded.fixed_reads(plan.bound_weights)
             # first and last work of the step, so a capture holds the store's copies too
             start = functools.partial(self.offloaded.start, stream=self.stream)
             finish = functools.partial(self.offloaded.finish, stream=self.stream)
             calls = [start, *calls, finish]
+        elif self.replay:
+            calls = [_Replayed(call, self.device) for call in calls]
         bound = _Bound(self._kv.epoch, calls, sig, fixed)
         self._bound[key] = bound
         return bound

@@ -1,12 +1,13 @@
 """`Generator`: prefill, then token-by-token decode of a batch, with sampling and stopping.
 
 The hot loop does per step: mask stop ids (until ``min_new_tokens``), pick tokens (argmax or
-`ep.sampling.sample`), check stops, and call the backend's `step`. A backend with ``sync_every`` > 1
-and ``steps`` (the native one) instead gives k tokens per call, picked on the device (argmax, or a
-draw from each row's own generator, the very numbers `ep.sampling.make_rngs` gives it: a seed is
-drawn when none is set); they are consumed one per loop turn the same way, so stops and
-``min_new_tokens`` act as with k = 1. The repetition penalty needs the history on the host: with
-it, k = 1 and a note.
+`ep.sampling.sample`), check stops, and call the backend's `step`. A backend with ``steps`` (the
+native one, unless built with ``device_picks=False``) instead gives k = ``sync_every`` tokens per
+call (k = 1 included), picked on the device (argmax, or a draw from each row's own generator, the
+very numbers `ep.sampling.make_rngs` gives it: a seed is drawn when none is set), the first one
+by its ``first_tokens``; they are consumed one per loop turn the same way, so stops and
+``min_new_tokens`` act as with k = 1. What the device cannot pick (the repetition penalty needs
+the history on the host) is picked here, one step a call, with a note when k > 1 was asked.
 Nothing large is allocated and no plugin hook is called per token; the KV layout object is called
 only when the cache grows.
 """
