@@ -1,4 +1,5 @@
-"""What every CPU benchmark script in tools/ reports alike: the machine, and a value's spread."""
+"""What the benchmark scripts in tools/ share: the machine, a value's spread, and the device time
+of a captured graph's replays."""
 
 from __future__ import annotations
 
@@ -39,3 +40,26 @@ def machine_info(*packages: str) -> dict[str, Any]:
 def spread(values: list[float]) -> dict[str, float]:
     """Median, min and max of repeated measurements."""
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def replay_ms(dev: Any, stream: Any, graph: Any, reps: int) -> float:
+    """Device ms of one replay of ``graph``: a warm-up launch, then ``reps`` back to back."""
+    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
+    graph.launch(stream=stream)
+    stream.record(start)
+    for _ in range(reps):
+        graph.launch(stream=stream)
+    stream.record(end)
+    end.sync()
+    return end.elapsed_ms(start) / reps
+
+
+def captured_us(dev: Any, stream: Any, calls: list[Any], reps: int) -> float:
+    """Device µs of one replay of ``calls`` captured as a graph, replayed ``reps`` times."""
+    with dev.capture(stream=stream) as cap:
+        for call in calls:
+            call()
+    try:
+        return replay_ms(dev, stream, cap.graph, reps) * 1e3
+    finally:
+        cap.graph.close()

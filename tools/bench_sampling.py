@@ -36,7 +36,7 @@ for _path in (ROOT, ROOT / "tools"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from _bench import machine_info  # noqa: E402
+from _bench import captured_us, machine_info  # noqa: E402
 
 SETTINGS = {
     "t0.8-p0.9": dict(temperature=0.8, top_p=0.9),
@@ -58,19 +58,7 @@ def model_like(rng: np.random.Generator, batch: int, vocab: int, flat: bool) -> 
 
 def _device_us(dev: Any, stream: Any, call: Any, reps: int) -> tuple[float, float]:
     """(device µs of a captured call replayed back to back, host µs of an eager launch)."""
-    with dev.capture(stream=stream) as cap:
-        call()
-    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
-    try:
-        cap.graph.launch(stream=stream)
-        stream.record(start)
-        for _ in range(reps):
-            cap.graph.launch(stream=stream)
-        stream.record(end)
-        end.sync()
-        graph_us = end.elapsed_ms(start) * 1e3 / reps
-    finally:
-        cap.graph.close()
+    graph_us = captured_us(dev, stream, [call], reps)
     call()
     stream.sync()
     t0 = time.perf_counter()

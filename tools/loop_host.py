@@ -30,9 +30,8 @@ for _path in (ROOT, ROOT / "plugins", ROOT / "graphs", ROOT / "tools"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from _bench import machine_info  # noqa: E402
+from _bench import machine_info, replay_ms  # noqa: E402
 from bench_native import QWEN_SPEC, build_or_reuse, make_prompts, model_spec  # noqa: E402
-from profile_native import _graph_ms  # noqa: E402
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -109,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         token = backend.steps(backend.steps(token, 3)[-1], s.k)[-1]  # warm-up, the capture
         backend.prefill(prompts)  # the step at the timed calls' first context
         graph = next(iter(backend.capture.graphs.values())).graph
-        graph_ms = _graph_ms(backend.device, backend.stream, graph, 100)
+        graph_ms = replay_ms(backend.device, backend.stream, graph, 100)
         runs: dict[str, list[float]] = {}
         seen: list[Any] = []
         for _ in range(s.rounds):

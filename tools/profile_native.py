@@ -47,36 +47,13 @@ for _path in (ROOT, ROOT / "plugins", ROOT / "graphs", ROOT / "tools"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from _bench import machine_info  # noqa: E402
+from _bench import captured_us, machine_info, replay_ms  # noqa: E402
 from bench_native import QWEN_SPEC, build_or_reuse, make_prompts, model_spec  # noqa: E402
 
 from ep.errors import KernelFaultError  # noqa: E402
 
 COMMITS = ("KVCommit", "KVCommitPaged", "QKVRotaryCommit")
 ATTENTIONS = ("KVAttention", "KVAttentionPaged")
-
-
-def _graph_ms(dev: Any, stream: Any, graph: Any, reps: int) -> float:
-    """Device ms of one replay of ``graph``: a warm-up launch, then ``reps`` back to back."""
-    start, end = dev.create_event(timing=True), dev.create_event(timing=True)
-    graph.launch(stream=stream)
-    stream.record(start)
-    for _ in range(reps):
-        graph.launch(stream=stream)
-    stream.record(end)
-    end.sync()
-    return end.elapsed_ms(start) / reps
-
-
-def _replay_us(dev: Any, stream: Any, calls: list[Any], reps: int) -> float:
-    """Device µs of one replay of ``calls`` captured as a graph, replayed ``reps`` times."""
-    with dev.capture(stream=stream) as cap:
-        for call in calls:
-            call()
-    try:
-        return _graph_ms(dev, stream, cap.graph, reps) * 1e3
-    finally:
-        cap.graph.close()
 
 
 def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, Any]:
@@ -90,7 +67,7 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
 
     # the whole captured graph, back to back
     graphs = list(backend.capture.graphs.values())
-    graph_ms = _graph_ms(dev, stream, graphs[-1].graph, s.reps) if graphs else None
+    graph_ms = replay_ms(dev, stream, graphs[-1].graph, s.reps) if graphs else None
 
     # per op type: a graph of only that type's calls (in step order), replayed back to back.
     # Attention runs with the commit before it: it reads the lengths the commit writes, whose
@@ -114,7 +91,7 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
         by_type.pop(op, None)
     ops: dict[str, dict[str, float]] = {}
     for op, group in by_type.items():
-        total = _replay_us(dev, stream, group, s.reps)
+        total = captured_us(dev, stream, group, s.reps)
         n = len(group) // 2 if op in paired else len(group)
         ops[op] = {"calls": n, "total_us": total, "per_call_us": total / n}
         backend._check_faults()
@@ -136,11 +113,11 @@ def profile_batch(backend: Any, batch: int, s: argparse.Namespace) -> dict[str, 
     # Last: the graphs below compute garbage (and may flag faults, cleared here).
     without: dict[str, float] = {}
     if s.ablate:  # the step without one op type's calls (what they compute no longer matters)
-        whole = _replay_us(dev, stream, calls, s.reps)
+        whole = captured_us(dev, stream, calls, s.reps)
         types = [name.split(":")[0] for name in names]
         for op in dict.fromkeys(types):
             kept = [call for call, t in zip(calls, types, strict=True) if t != op]
-            without[op] = whole - _replay_us(dev, stream, kept, s.reps)
+            without[op] = whole - captured_us(dev, stream, kept, s.reps)
             with contextlib.suppress(KernelFaultError):
                 backend._check_faults()
         without = dict(sorted(without.items(), key=lambda kv: -kv[1]))
