@@ -11,6 +11,7 @@ from ep.kernels import embed as embed
 from ep.kernels import matmul as matmul
 from ep.kernels import mlp as mlp
 from ep.kernels import norm as norm
+from ep.kernels import q4p as q4p
 from ep.kernels import rotary as rotary
 from ep.kernels import sample as sample
 from ep.kernels._common import KernelFault as KernelFault

@@ -2385,4 +2385,247 @@ __device__ __forceinline__ Mx4V2<T> mx4_v2(const u8* b, const u8* scales, int N,
   return p;
 }
 
+
+// --- packed 4-bit GEMV (q4p): MatMulNBits weights of block 32, repacked for the MMA -----------
+//
+// `ep_gemv_q4p_<dt>` (fp16/bf16, decode, M <= 16) reads a weight `ep.kernels.q4p.pack_q4`
+// repacked once (at load): the v2 GEMV's A-operand design, with the layout chosen so that each
+// MMA's 16 k lie in one quantization block. Then the A operand is the exact integer q - z (magic
+// number, LOP3, one HSUB2 a pair; fp16 folds two of the shifts into HFMA2s by 1/16) and the
+// block's scale is applied once to the fp32 product of its two MMAs, instead of one HMUL2 per
+// weight pair; and a warp's weights, scales and zero points are each one contiguous stream, so a
+// step's addresses are one add. By design, per 16 bytes a lane (bf16, M <= 8): 1 LDG.128 +
+// 1 LDG.64 (+ 1 LDG.16 with zero points), 2 LDS.128, 12 SHF + 16 LOP3 + 16 HSUB2, 4 HMMA, 8
+// FFMA, against ~95 warp-instructions for the v2 GEMV. What decided its speed on the H200 was
+// bytes in flight, not instructions: with a ring of 4 steps and 3 blocks an SM (85 registers,
+// spilling) it was 4 % faster than v2; with 6 steps a warp and 2 blocks an SM (121 registers, no
+// spills) 32 % (ep/kernels/q4p.py: RINGS).
+//
+// Layout (G = ceil(N / 16) row groups, S = ceil(K / 64) steps of 64 k = two blocks):
+//   weights  uint4 [G][S][32 lanes]: lane (g, t)'s 4 words; word u is MMA u of the step (block
+//            u >> 1, k 64s + 16u ..) and holds its A fragment: nibbles r and 4 + r are register r's
+//            low and high element, r = 0: row g, k 2t, 2t + 1; r = 1: row g + 8, the same k;
+//            r = 2: row g, k 2t + 8, 2t + 9; r = 3: row g + 8, those k;
+//   scales   T [G][S][8 g][4]: block b's scale of row g + 8h at 2b + h;
+//   zeros    u16 [G][S][8 g]: block b's zero point of row g + 8h in nibble 2b + h.
+// Rows past N and k past K are zero weights, zero scales and zero point 8 (x is zero past K).
+// A warp owns whole groups (a contiguous range: one contiguous stream of each array), walked
+// with a ring of D steps (the template's) in flight across group boundaries; x is staged once a
+// block in shared memory in B-fragment order ([16 rows][S][t][u][b0, b1], a lane's step one
+// 32-byte read).
+
+constexpr int Q4P_WARPS = 8;  // warps a block (blocks an SM: the entry's launch bounds)
+
+// Word w of an MMA -> its A registers of (q - z): zr[h] is (magic + z) of row g + 8h in both
+// halves, zh[h] (fp16) -(64 + z).
+template <typename T>
+__device__ __forceinline__ void q4p_pairs(u32 w, u32 magic, const u32 (&zr)[2],
+                                          const u32 (&zh)[2], u32 (&a)[4]);
+
+template <>
+__device__ __forceinline__ void q4p_pairs<__half>(u32 w, u32 magic, const u32 (&zr)[2],
+                                                  const u32 (&zh)[2], u32 (&a)[4]) {
+  const u32 w8 = w >> 8;
+  const u32 sixteenth = 0x2C002C00u;  // 1/16 in both halves
+  a[0] = pk_sub<__half>(and_or<0x000F000Fu>(w, magic), zr[0]);
+  a[1] = pk_fma<__half>(and_or<0x00F000F0u>(w, magic), sixteenth, zh[1]);
+  a[2] = pk_sub<__half>(and_or<0x000F000Fu>(w8, magic), zr[0]);
+  a[3] = pk_fma<__half>(and_or<0x00F000F0u>(w8, magic), sixteenth, zh[1]);
+}
+
+template <>
+__device__ __forceinline__ void q4p_pairs<__nv_bfloat16>(u32 w, u32 magic, const u32 (&zr)[2],
+                                                         const u32 (&)[2], u32 (&a)[4]) {
+  a[0] = pk_sub<__nv_bfloat16>(and_or<0x000F000Fu>(w, magic), zr[0]);
+  a[1] = pk_sub<__nv_bfloat16>(and_or<0x000F000Fu>(w >> 4, magic), zr[1]);
+  a[2] = pk_sub<__nv_bfloat16>(and_or<0x000F000Fu>(w >> 8, magic), zr[0]);
+  a[3] = pk_sub<__nv_bfloat16>(and_or<0x000F000Fu>(w >> 12, magic), zr[1]);
+}
+
+// A scale pair (rows g, g + 8 of one block) as floats.
+template <typename T>
+__device__ __forceinline__ void q4p_scales(u32 v, float& lo, float& hi);
+template <>
+__device__ __forceinline__ void q4p_scales<__nv_bfloat16>(u32 v, float& lo, float& hi) {
+  lo = __uint_as_float(v << 16);
+  hi = __uint_as_float(v & 0xFFFF0000u);
+}
+template <>
+__device__ __forceinline__ void q4p_scales<__half>(u32 v, float& lo, float& hi) {
+  lo = __half2float(__ushort_as_half((unsigned short)(v & 0xFFFFu)));
+  hi = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
+}
+
+// x[M, K] -> shared [16][xr bytes]: row m, step s, lane t at m * xr + 128 s + 32 t: for u = 0..3
+// the B fragment (b0, b1) of MMA u = x[m][64 s + 16 u + 2t, + 1] and [.. + 8, + 9] (zero past K
+// and for rows M..15).
+template <typename T>
+__device__ __forceinline__ void q4p_stage_x(u8* xs, const T* __restrict__ x, int M, int K, int S,
+                                            int xr, bool xv) {
+  const int rows = M > 8 ? 16 : 8;  // rows 8..15 are read only when M > 8
+  for (int q = threadIdx.x; q < rows * S; q += blockDim.x) {
+    const int m = q / S, s = q - m * S;
+    u32 in[32];  // the step's 64 k as 32 pairs
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      uint4 v = zero4();
+      if (m < M) v = load_chunk<T>(x + (size_t)m * K, (s << 6) + (c << 3), K, xv, false);
+      in[4 * c] = v.x;
+      in[4 * c + 1] = v.y;
+      in[4 * c + 2] = v.z;
+      in[4 * c + 3] = v.w;
+    }
+    uint4* row = reinterpret_cast<uint4*>(xs + m * xr + (s << 7));
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {  // pair index of (u, h): 8u + t + 4h
+      row[2 * t] = make_uint4(in[t], in[t + 4], in[8 + t], in[8 + t + 4]);
+      row[2 * t + 1] = make_uint4(in[16 + t], in[16 + t + 4], in[24 + t], in[24 + t + 4]);
+    }
+  }
+}
+
+template <typename T, int D, bool ZP, bool TWO>
+__device__ __forceinline__ void q4p_run(T* __restrict__ y, const T* __restrict__ x,
+                                        const uint4* __restrict__ wq, const uint2* __restrict__ wsc,
+                                        const u16* __restrict__ wz, u8* xs, int M, int N, int K,
+                                        int S, int j0, int j1, u32 flags) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int total = (j1 - j0) * S;  // warp-uniform
+  const size_t first = (size_t)j0 * S;
+  wq += first * 32 + lane;
+  wsc += first * 8 + g;
+  wz += first * 8 + g;
+  uint4 rq[D];
+  uint2 rs[D];
+  u32 rz[D];
+  PdlWait ready(flags);  // EPK_EARLY (resident weights): the ring's first steps load before it
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (d < total) {
+      rq[d] = ld_stream(wq + d * 32);
+      rs[d] = __ldg(wsc + d * 8);
+      rz[d] = ZP ? (u32)__ldg(wz + d * 8) : 0u;
+    }
+  }
+  ready();
+  const int xr = (S << 7) + 16;
+  q4p_stage_x<T>(xs, x, M, K, S, xr, (flags & EPK_X16) != 0);
+  __syncthreads();
+  const u32 magic = Elem<T>::kMagic * 0x10001u;
+  const u32 xa = smem_addr(xs) + (u32)(g * xr + (t << 5));
+  const u32 xb = xa + (u32)(8 * xr);
+  float acc[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
+  u32 zr8[2] = {magic + 8u * 0x10001u, magic + 8u * 0x10001u};
+  u32 zh8[2] = {0xD400D400u + 8u * 0x00100010u, 0xD400D400u + 8u * 0x00100010u};
+  int si = 0, cj = j0;
+  for (int s0 = 0; s0 < total; s0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int idx = s0 + d;
+      if (idx >= total) break;
+      uint4 bl[2], bh[2];
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%8];\n\t"
+                   "ld.shared.v4.u32 {%4, %5, %6, %7}, [%8+16];"
+                   : "=r"(bl[0].x), "=r"(bl[0].y), "=r"(bl[0].z), "=r"(bl[0].w), "=r"(bl[1].x),
+                     "=r"(bl[1].y), "=r"(bl[1].z), "=r"(bl[1].w)
+                   : "r"(xa + (u32)(si << 7)) : "memory");
+      if (TWO) {
+        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%8];\n\t"
+                     "ld.shared.v4.u32 {%4, %5, %6, %7}, [%8+16];"
+                     : "=r"(bh[0].x), "=r"(bh[0].y), "=r"(bh[0].z), "=r"(bh[0].w), "=r"(bh[1].x),
+                       "=r"(bh[1].y), "=r"(bh[1].z), "=r"(bh[1].w)
+                     : "r"(xb + (u32)(si << 7)) : "memory");
+      }
+      const uint4 q = rq[d];
+      const uint2 sc = rs[d];
+      const u32 zw = rz[d];
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {
+        u32 zr[2], zh[2];
+        if (ZP) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32 z = (zw >> (8 * b + 4 * h)) & 15u;
+            zr[h] = magic + z * 0x10001u;
+            zh[h] = 0xD400D400u + z * 0x00100010u;
+          }
+        } else {
+          zr[0] = zr8[0], zr[1] = zr8[1], zh[0] = zh8[0], zh[1] = zh8[1];
+        }
+        u32 a0[4], a1[4];
+        q4p_pairs<T>(word_at(q, 2 * b), magic, zr, zh, a0);
+        q4p_pairs<T>(word_at(q, 2 * b + 1), magic, zr, zh, a1);
+        float slo, shi;
+        q4p_scales<T>(b == 0 ? sc.x : sc.y, slo, shi);
+        const uint4& lo = bl[b];
+        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma16816<T>(c, a0[0], a0[1], a0[2], a0[3], lo.x, lo.y);
+        mma16816<T>(c, a1[0], a1[1], a1[2], a1[3], lo.z, lo.w);
+        acc[0][0] = fmaf(slo, c[0], acc[0][0]);
+        acc[0][1] = fmaf(slo, c[1], acc[0][1]);
+        acc[0][2] = fmaf(shi, c[2], acc[0][2]);
+        acc[0][3] = fmaf(shi, c[3], acc[0][3]);
+        if (TWO) {
+          const uint4& hi = bh[b];
+          float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          mma16816<T>(e, a0[0], a0[1], a0[2], a0[3], hi.x, hi.y);
+          mma16816<T>(e, a1[0], a1[1], a1[2], a1[3], hi.z, hi.w);
+          acc[1][0] = fmaf(slo, e[0], acc[1][0]);
+          acc[1][1] = fmaf(slo, e[1], acc[1][1]);
+          acc[1][2] = fmaf(shi, e[2], acc[1][2]);
+          acc[1][3] = fmaf(shi, e[3], acc[1][3]);
+        }
+      }
+      if (idx + D < total) {  // the slot is free: refill it with the step D ahead
+        rq[d] = ld_stream(wq + (size_t)(idx + D) * 32);
+        rs[d] = __ldg(wsc + (size_t)(idx + D) * 8);
+        if (ZP) rz[d] = (u32)__ldg(wz + (size_t)(idx + D) * 8);
+      }
+      if (++si == S) {  // group cj is complete: rows 16 cj + g (+ 8), batch rows 2t, 2t + 1 (+ 8)
+        const int n = (cj << 4) + g;
+#pragma unroll
+        for (int h = 0; h < (TWO ? 2 : 1); ++h) {
+          const int m = 2 * t + 8 * h;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int mm = m + (e & 1), nn = n + ((e >> 1) << 3);
+            if (mm < M && nn < N) y[(size_t)mm * N + nn] = Elem<T>::from_f(acc[h][e]);
+            acc[h][e] = 0.0f;
+          }
+        }
+        si = 0;
+        ++cj;
+      }
+    }
+  }
+}
+
+// D: ring slots a warp (steps of 512 bytes a warp; D - 1 in flight while one is used).
+template <typename T, int D>
+__device__ __forceinline__ void q4p_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                         const u8* b, const T* scales, const void* zp, int M,
+                                         int N, int K, u32 flags) {
+  extern __shared__ __align__(16) u8 q4p_xs[];
+  const int warp = threadIdx.x >> 5;
+  const int S = (K + 63) >> 6;
+  const long long warps = (long long)gridDim.x * Q4P_WARPS;
+  const long long gw = (long long)blockIdx.x * Q4P_WARPS + warp;
+  const long long groups = ((long long)N + 15) >> 4;
+  const int j0 = (int)(gw * groups / warps), j1 = (int)((gw + 1) * groups / warps);
+  const uint4* wq = reinterpret_cast<const uint4*>(b);
+  const uint2* wsc = reinterpret_cast<const uint2*>(scales);
+  const u16* wz = reinterpret_cast<const u16*>(zp);
+  const bool has_zp = (flags & EPK_ZP) != 0;
+  if (M > 8) {  // uniform for the launch: one branch-free loop for each case
+    if (has_zp) q4p_run<T, D, true, true>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
+    else q4p_run<T, D, false, true>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
+  } else {
+    if (has_zp) q4p_run<T, D, true, false>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
+    else q4p_run<T, D, false, false>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
+  }
+}
+
 }  // namespace epk

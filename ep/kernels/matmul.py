@@ -59,6 +59,10 @@ kernel                    what and launch geometry
                           ``ldmatrix``. fp32: 256 threads, 4 x 4 outputs each, K tiles of 16.
 ========================  =====================================================================
 
+``ep.kernels.q4p`` adds ``ep_gemv_q4p_<dt>``: the 4-bit decode GEMV over a weight repacked once
+(`ep.kernels.q4p.pack_q4`) so that each MMA's k lie in one block and the scale is applied after
+the MMAs (1.3x the v2 GEMV on the vocabulary projection; its module says what it needs).
+
 GEMV vs GEMM: ``M <= 16`` (`GEMV_MAX_ROWS`) runs the GEMV, which reads every weight byte once per
 launch for all M rows; larger M runs the GEMM, whose weight traffic is amortised over 64-row
 tiles (the prefill path for 4-bit/MXFP4 dequantizes each 64 x 32 weight tile into shared memory
