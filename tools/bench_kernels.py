@@ -70,6 +70,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from ep.device import KERNELS, Buffer, Device, get_device, probe_cuda  # noqa: E402
 from ep.device._kernels import nvrtc_version  # noqa: E402
 from ep.kernels import matmul as mm  # noqa: E402
+from ep.kernels import q4p  # noqa: E402
 from ep.ops import matmul as ref  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -84,8 +85,9 @@ SHAPES = [
 ]  # (K, N)
 LARGE = {(896, 4864), (896, 9728), (4864, 896), (896, 151936)}
 ROWS = [1, 4, 16]
-FORMATS = ["bf16-nk", "bf16-kn", "q4", "mxfp4"]
-_FAMILY = {"bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "mxfp4": "mx4"}  # kernel-name part
+FORMATS = ["bf16-nk", "bf16-kn", "q4", "q4p", "mxfp4"]
+# kernel-name part of each format; q4p: the 4-bit weights of q4 repacked (`ep.kernels.q4p`)
+_FAMILY = {"bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "q4p": "q4p", "mxfp4": "mx4"}
 _ALIASES = {"bf16": "bf16-nk"}  # --formats bf16: the dense [N, K] (decode) orientation
 GEMV_CHOICES = ("v1", "v2", "v2-any")  # --gemv: the GEMV versions a row runs under
 _GEMV_FORMATS = ("bf16-nk", "q4", "mxfp4")  # the formats with a v2 GEMV (--gemv applies to them)
@@ -240,13 +242,17 @@ def _weights(fmt: str, rng: np.random.Generator, K: int, N: int) -> dict[str, np
         return {"w": _bf16(rng, (N, K), K**-0.5)}
     if fmt == "bf16-kn":
         return {"w": _bf16(rng, (K, N), K**-0.5)}
-    if fmt == "q4":
+    if fmt == "q4" or fmt.startswith("q4p"):
         kb = -(-K // 32)
-        return {
+        w = {
             "b": rng.integers(0, 256, (N, kb, 16), dtype=np.uint8),
             "scales": (rng.uniform(0.5, 1.5, N * kb).astype(np.float32) * (0.1 / 8)).astype(BF16),
             "zp": rng.integers(0, 256, N * ((kb + 1) // 2), dtype=np.uint8),
         }
+        if fmt.startswith("q4p"):  # the same bytes in the packed layout (its padding included)
+            packed = q4p.pack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)
+            w = dict(zip(("b", "scales", "zp"), packed, strict=True))
+        return w
     return {
         "b": rng.integers(0, 256, (N, K // 32, 16), dtype=np.uint8),
         "scales": rng.integers(118, 124, (N, K // 32), dtype=np.uint8),
@@ -263,6 +269,9 @@ def _reference(
         wt = w["w"].astype(np.float32)
         wt = wt[r] if fmt == "bf16-nk" else wt[:, r]
         return np.matmul(x.astype(np.float32), wt.T if fmt == "bf16-nk" else wt).astype(BF16)
+    if fmt.startswith("q4p"):
+        dense = q4p.unpack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)[r]
+        return np.matmul(x.astype(np.float32), dense.T).astype(BF16)
     if fmt == "q4":
         kb = -(-K // 32)
         zr = (kb + 1) // 2
@@ -296,6 +305,10 @@ def _launch(
             dev, out, x, w["b"], w["scales"], w["zp"], M=M, N=N, K=K, block_size=32, stream=s,
             workspace=ws, resident=resident,
         )  # fmt: skip
+    if fmt.startswith("q4p"):  # q4p, or q4p-<ring> (a compiled ring variant: `q4p.RINGS`)
+        packed = q4p.PackedQ4(w["b"], w["scales"], w["zp"], N, K)
+        ring = fmt.partition("-")[2] or None
+        return q4p.gemv_q4_packed(dev, out, x, packed, M=M, stream=s, resident=resident, ring=ring)
     return mm.gemm_mxfp4(
         dev, out, x, w["b"], w["scales"], M=M, N=N, K=K, stream=s, workspace=ws, resident=resident
     )
@@ -726,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
     formats = [_ALIASES.get(f, f) for f in args.formats.split(",") if f]
     if args.attention_only:
         formats = []
-    families = tuple(f"_{_FAMILY.get(f, f)}_" for f in formats)
+    families = tuple(f"_{_FAMILY.get(f.partition('-')[0] if f.startswith('q4p') else f, f)}_"
+                     for f in formats)  # fmt: skip
     needed = [
         n
         for n in KERNELS.names()
