@@ -2456,6 +2456,31 @@ __device__ __forceinline__ void q4p_scales<__half>(u32 v, float& lo, float& hi) 
   hi = __half2float(__ushort_as_half((unsigned short)(v >> 16)));
 }
 
+// A block's two MMAs (words a0, a1; B fragments b) into a fresh fp32 sum, added to acc scaled by
+// the block's scales of rows g (slo) and g + 8 (shi).
+template <typename T>
+__device__ __forceinline__ void q4p_block(float (&acc)[4], const u32 (&a0)[4], const u32 (&a1)[4],
+                                          const uint4& b, float slo, float shi) {
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  mma16816<T>(c, a0[0], a0[1], a0[2], a0[3], b.x, b.y);
+  mma16816<T>(c, a1[0], a1[1], a1[2], a1[3], b.z, b.w);
+  acc[0] = fmaf(slo, c[0], acc[0]);
+  acc[1] = fmaf(slo, c[1], acc[1]);
+  acc[2] = fmaf(shi, c[2], acc[2]);
+  acc[3] = fmaf(shi, c[3], acc[3]);
+}
+
+// A lane's 32 bytes of a step's staged x: the B fragments of its 4 MMAs.
+__device__ __forceinline__ void q4p_lds(u32 addr, uint4 (&v)[2]) {
+  asm volatile(
+      "ld.shared.v4.u32 {%0, %1, %2, %3}, [%8];\n\t"
+      "ld.shared.v4.u32 {%4, %5, %6, %7}, [%8+16];"
+      : "=r"(v[0].x), "=r"(v[0].y), "=r"(v[0].z), "=r"(v[0].w), "=r"(v[1].x), "=r"(v[1].y),
+        "=r"(v[1].z), "=r"(v[1].w)
+      : "r"(addr)
+      : "memory");
+}
+
 // x[M, K] -> shared [16][xr bytes]: row m, step s, lane t at m * xr + 128 s + 32 t: for u = 0..3
 // the B fragment (b0, b1) of MMA u = x[m][64 s + 16 u + 2t, + 1] and [.. + 8, + 9] (zero past K
 // and for rows M..15).
@@ -2527,18 +2552,8 @@ __device__ __forceinline__ void q4p_run(T* __restrict__ y, const T* __restrict__
       const int idx = s0 + d;
       if (idx >= total) break;
       uint4 bl[2], bh[2];
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%8];\n\t"
-                   "ld.shared.v4.u32 {%4, %5, %6, %7}, [%8+16];"
-                   : "=r"(bl[0].x), "=r"(bl[0].y), "=r"(bl[0].z), "=r"(bl[0].w), "=r"(bl[1].x),
-                     "=r"(bl[1].y), "=r"(bl[1].z), "=r"(bl[1].w)
-                   : "r"(xa + (u32)(si << 7)) : "memory");
-      if (TWO) {
-        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%8];\n\t"
-                     "ld.shared.v4.u32 {%4, %5, %6, %7}, [%8+16];"
-                     : "=r"(bh[0].x), "=r"(bh[0].y), "=r"(bh[0].z), "=r"(bh[0].w), "=r"(bh[1].x),
-                       "=r"(bh[1].y), "=r"(bh[1].z), "=r"(bh[1].w)
-                     : "r"(xb + (u32)(si << 7)) : "memory");
-      }
+      q4p_lds(xa + (u32)(si << 7), bl);
+      if (TWO) q4p_lds(xb + (u32)(si << 7), bh);
       const uint4 q = rq[d];
       const uint2 sc = rs[d];
       const u32 zw = rz[d];
@@ -2560,24 +2575,8 @@ __device__ __forceinline__ void q4p_run(T* __restrict__ y, const T* __restrict__
         q4p_pairs<T>(word_at(q, 2 * b + 1), magic, zr, zh, a1);
         float slo, shi;
         q4p_scales<T>(b == 0 ? sc.x : sc.y, slo, shi);
-        const uint4& lo = bl[b];
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        mma16816<T>(c, a0[0], a0[1], a0[2], a0[3], lo.x, lo.y);
-        mma16816<T>(c, a1[0], a1[1], a1[2], a1[3], lo.z, lo.w);
-        acc[0][0] = fmaf(slo, c[0], acc[0][0]);
-        acc[0][1] = fmaf(slo, c[1], acc[0][1]);
-        acc[0][2] = fmaf(shi, c[2], acc[0][2]);
-        acc[0][3] = fmaf(shi, c[3], acc[0][3]);
-        if (TWO) {
-          const uint4& hi = bh[b];
-          float e[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma16816<T>(e, a0[0], a0[1], a0[2], a0[3], hi.x, hi.y);
-          mma16816<T>(e, a1[0], a1[1], a1[2], a1[3], hi.z, hi.w);
-          acc[1][0] = fmaf(slo, e[0], acc[1][0]);
-          acc[1][1] = fmaf(slo, e[1], acc[1][1]);
-          acc[1][2] = fmaf(shi, e[2], acc[1][2]);
-          acc[1][3] = fmaf(shi, e[3], acc[1][3]);
-        }
+        q4p_block<T>(acc[0], a0, a1, bl[b], slo, shi);
+        if (TWO) q4p_block<T>(acc[1], a0, a1, bh[b], slo, shi);
       }
       if (idx + D < total) {  // the slot is free: refill it with the step D ahead
         rq[d] = ld_stream(wq + (size_t)(idx + D) * 32);
