@@ -2,7 +2,8 @@
 
 For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x1152 (fused QKV), 896x4864,
 896x9728 (fused gate + up), 4864x896, 896x151936;
-bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points) and MXFP4;
+bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points), the same
+4-bit weights repacked for ``ep_gemv_q4p`` (``q4p``; ``q4p-d8b2``: a compiled ring) and MXFP4;
 M = 1, 4, 16) and for decode attention (bf16, 14 query heads, 2 KV heads, head_dim 64: full
 head-major caches of 512, 2k, 8k, 32k tokens, and the native decode graph's case, a seq-major cache
 of 2048 slots holding 1, 40, 128, 512, 2048 live tokens), it reports the bytes a launch must move
@@ -739,8 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     formats = [_ALIASES.get(f, f) for f in args.formats.split(",") if f]
     if args.attention_only:
         formats = []
-    families = tuple(f"_{_FAMILY.get(f.partition('-')[0] if f.startswith('q4p') else f, f)}_"
-                     for f in formats)  # fmt: skip
+    # q4p-<ring>: the q4p family (the variant's kernel name holds "_q4p_")
+    families = tuple(f"_{_FAMILY.get(f, f.partition('-')[0])}_" for f in formats)
     needed = [
         n
         for n in KERNELS.names()
