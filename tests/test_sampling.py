@@ -148,3 +148,51 @@ def test_everything_masked_is_an_error() -> None:
     logits = np.full((1, 4), -np.inf, dtype=np.float32)
     with pytest.raises(GenerationError, match="nothing can be sampled"):
         sample(logits, SamplingParams(temperature=1.0), make_rngs(0, 1))
+
+
+def _reference_row(row: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The sampler as it was before it sorted values instead of indices: a stable argsort of the
+    whole row (the oracle of the test below)."""
+    scaled = row.astype(np.float64) / params.temperature
+    order = np.argsort(-scaled, kind="stable")
+    cand = scaled[order]
+    probs = np.exp(cand - cand[0])
+    probs /= probs.sum()
+    keep_n = probs.size
+    if params.top_p < 1.0:
+        keep_n = max(1, int(np.count_nonzero(np.cumsum(probs) - probs < params.top_p)))
+    if params.min_p > 0.0:
+        keep_n = min(keep_n, max(1, int(np.count_nonzero(probs >= params.min_p * probs[0]))))
+    cdf = np.cumsum(probs[:keep_n])
+    u = rng.random() * cdf[-1]
+    return int(order[min(int(np.searchsorted(cdf, u, side="right")), keep_n - 1)])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.3, min_p=0.05),
+        SamplingParams(temperature=2.0, top_p=0.5, min_p=0.01),
+    ],
+    ids=["top-p", "plain", "min-p", "both"],
+)
+def test_sorting_values_picks_the_stable_order_s_tokens(params: SamplingParams) -> None:
+    """Bitwise the same picks as the stable argsort of indices, for every seed: rows full of
+    ties (few distinct logits, so a draw lands inside a run of equal values), masked (-inf)
+    tokens, signed zeros, float64 rows, a row with NaN (sorted last by both)."""
+    rng = np.random.default_rng(11)
+    rows = [
+        rng.integers(-3, 4, 4000).astype(np.float32),  # 7 values: every draw is in a tie
+        np.where(rng.random(3000) < 0.5, -np.inf, rng.standard_normal(3000)).astype(np.float32),
+        np.array([0.0, -0.0, 0.0, -0.0, -1.0, 0.5, 0.5], np.float32),
+        rng.standard_normal(5000),  # float64
+        np.array([1.0, np.nan, 2.0, 2.0, np.nan, -1.0], np.float32),
+        (rng.standard_normal(151936) * 3).astype(np.float32),
+    ]
+    for row in rows:
+        for seed in range(40 if row.size < 10000 else 4):
+            want = _reference_row(row, params, np.random.default_rng(seed))
+            got = sample(row[None], params, [np.random.default_rng(seed)])[0]
+            assert got == want, (row[:8], seed)
