@@ -27,7 +27,7 @@ from ep.errors import KernelArgumentError
 from ep.kernels import matmul
 
 # the .cu's flags, and the argument checks every matmul wrapper makes
-from ep.kernels.matmul import _FLAG_EARLY, _FLAG_ZP, _buffer, _disjoint, _x16
+from ep.kernels.matmul import _FLAG_EARLY, _FLAG_ZP, _buffer, _disjoint, _product, _x16
 from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
 
 __all__ = [
@@ -235,9 +235,7 @@ def _twin(
     m, n, k = int(M), int(N), int(K)
     z = zeros.view(np.uint16) if int(flags) & _FLAG_ZP else None
     w = unpack_q4(b, scales, z, N=n, K=k)
-    a = x[: m * k].reshape(m, k).astype(np.float32)
-    out = np.concatenate([a[i : i + 1] @ w.T for i in range(m)])
-    y[: m * n] = out.astype(y.dtype).reshape(-1)
+    y[: m * n] = _product(x[: m * k].reshape(m, k), w.T, True).reshape(-1)
 
 
 def _name(ring: str, suffix: str) -> str:
