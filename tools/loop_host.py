@@ -31,7 +31,8 @@ for _path in (ROOT, ROOT / "plugins", ROOT / "graphs", ROOT / "tools"):
         sys.path.insert(0, str(_path))
 
 from _bench import machine_info, replay_ms  # noqa: E402
-from bench_native import QWEN_SPEC, build_or_reuse, make_prompts, model_spec  # noqa: E402
+from bench_native import QWEN_SPEC, make_prompts  # noqa: E402
+from profile_native import profiled_backend, profiled_model  # noqa: E402
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -89,20 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cpu: a smoke test with a small --spec")
     s = p.parse_args(argv)
 
-    from ep.model import load_model
-    from ep.native import NativeBackend
-    from ep_builtin.capture_warmup import WarmupCapture
-    from ep_builtin.kv_seq_major import SeqMajorLayout
-
-    model = load_model(build_or_reuse(model_spec(s.spec, s.context), Path(s.work), 0, None))
+    model = profiled_model(s.spec, s.context, s.work)
     results, agree = [], True
     for batch in (int(b) for b in s.batch.split(",")):
-        backend = NativeBackend(
-            model,
-            SeqMajorLayout(fixed_stride=True),
-            device=s.device,
-            capture=WarmupCapture(steps=2),
-        )
+        backend = profiled_backend(model, s.device)
         prompts = make_prompts(batch, s.prompt, model.vocab_size, seed=batch)
         token = backend.prefill(prompts).argmax(-1).astype(np.int64)
         token = backend.steps(backend.steps(token, 3)[-1], s.k)[-1]  # warm-up, the capture

@@ -141,6 +141,25 @@ def sum_once(ops: dict[str, dict[str, float]], paired: set[str]) -> float:
     return sum(v["total_us"] for op, v in ops.items() if op not in commits)
 
 
+def profiled_model(spec: str, context: int, work: str) -> Any:
+    """The benchmark's model (`bench_native.py`'s spec and build cache under ``work``), loaded."""
+    from ep.model import load_model
+
+    return load_model(build_or_reuse(model_spec(spec, context), Path(work), seed=0, weights=None))
+
+
+def profiled_backend(model: Any, device: str) -> Any:
+    """A backend as the profiles measure it (this tool and `loop_host.py`): a seq-major cache
+    with a fixed stride (the captured step survives growth), captured after two warm-up steps."""
+    from ep.native import NativeBackend
+    from ep_builtin.capture_warmup import WarmupCapture
+    from ep_builtin.kv_seq_major import SeqMajorLayout
+
+    return NativeBackend(
+        model, SeqMajorLayout(fixed_stride=True), device=device, capture=WarmupCapture(steps=2)
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--spec", default=QWEN_SPEC)
@@ -157,15 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     s = p.parse_args(argv)
 
-    from ep.model import load_model
-    from ep.native import NativeBackend
     from ep.native.plan import early_enabled, fuse_enabled, fuse_mlp_enabled, fuse_qkv_enabled
-    from ep_builtin.capture_warmup import WarmupCapture
-    from ep_builtin.kv_seq_major import SeqMajorLayout
 
-    spec = model_spec(s.spec, s.context)
-    folder = build_or_reuse(spec, Path(s.work), seed=0, weights=None)
-    model = load_model(folder)
+    model = profiled_model(s.spec, s.context, s.work)
     results = []
     fuse = fuse_enabled()
     fuse_mlp = fuse and fuse_mlp_enabled()
@@ -177,13 +190,7 @@ def main(argv: list[str] | None = None) -> int:
           f"GEMV epilogue: {qkv}; gate/up GEMV with a SwiGLU epilogue: {mlp}; resident GEMV "
           f"weights loaded before the PDL wait: {early}")  # fmt: skip
     for batch in (int(b) for b in s.batch.split(",")):
-        backend = NativeBackend(
-            model,
-            SeqMajorLayout(fixed_stride=True),
-            device=s.device,
-            capture=WarmupCapture(steps=2),
-        )
-        r = profile_batch(backend, batch, s)
+        r = profile_batch(profiled_backend(model, s.device), batch, s)
         results.append(r)
         loop = r["loop_ms_per_step"] or float("nan")
         print(f"batch {batch}: graph {r['graph_ms']:.3f} ms/step ({r['calls']} calls; sum over "
