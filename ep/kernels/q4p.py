@@ -207,6 +207,8 @@ def gemv_q4_packed(
         _buffer(op, dev, "zeros", w.zeros, G * S * 8, np.dtype(np.uint16))
     _buffer(op, dev, "out", out, M * N, dtype)
     inputs = {"x": x, "weights": w.weights, "scales": w.scales}
+    if w.zeros is not None:
+        inputs["zeros"] = w.zeros
     _disjoint(op, out, inputs)
     flags = _x16(x, K) | (_FLAG_EARLY if resident else 0)
     flags |= _FLAG_ZP if w.zeros is not None else 0

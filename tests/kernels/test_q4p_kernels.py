@@ -154,3 +154,7 @@ def test_packed_gemv_refuses_what_it_cannot_run(
         gemv_q4_packed(dev, out, x, short, M=1, stream=s)
     with pytest.raises(KernelArgumentError, match="overlaps x"):
         gemv_q4_packed(dev, x.view(BF16, (20,)), x, w, M=1, stream=s)
+    both = dev.alloc(64, np.uint16, stream=s)  # the zero points and the output in one buffer
+    shared = PackedQ4(w.weights, w.scales, both.view(np.uint16, (16,)), 20, 64)
+    with pytest.raises(KernelArgumentError, match="overlaps zeros"):
+        gemv_q4_packed(dev, both.view(BF16, (64,)), x, shared, M=1, stream=s)
