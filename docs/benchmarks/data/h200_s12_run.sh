@@ -2,6 +2,7 @@
 # Twelfth session on the H200 (from the repository root; OUT a results folder):
 #   bash docs/benchmarks/data/h200_s12_run.sh OUT tests   # CUDA tests (TESTS: the paths)
 #   bash docs/benchmarks/data/h200_s12_run.sh OUT ab      # decode step, A/B of $AB=1 / 0, 2 rounds
+#   bash docs/benchmarks/data/h200_s12_run.sh OUT kernels # tools/bench_kernels.py: $FORMATS on $SHAPES
 # The A/B is tools/profile_native.py (device time of the captured decode graph and of the device
 # token loop) with the switch $AB (default GENAI_EP_STAGE: dense weights staged in shared memory)
 # set to 1 and to 0, interleaved.
@@ -17,6 +18,10 @@ if [ "$mode" = tests ]; then
   timeout 420 python3 -m pytest -q -p no:cacheprovider -m cuda ${TESTS:-tests/kernels/test_matmul_staged.py} \
     > "$out/tests.log" 2>&1
   tail -5 "$out/tests.log"
+elif [ "$mode" = kernels ]; then
+  timeout 300 python3 tools/bench_kernels.py --formats ${FORMATS:-q4,q4p} --shapes ${SHAPES:-896x151936} \
+    --rows 1,4,16 --no-attention --no-torch --reps 20 --out "$out/k" > "$out/k.log" 2>&1
+  grep -E "^gemv|^device copy" "$out/k.log"
 else
   for r in ${ROUNDS:-1 2}; do for v in 1 0; do
     env "$ab=$v" timeout 240 python3 tools/profile_native.py --batch ${BATCH:-1,4,16} --reps 100 \
