@@ -25,6 +25,7 @@ typedef unsigned char u8;
 #define EPK_ZP 4u   // q4: packed zero points are given (else every zero point is 8)
 #define EPK_W8 8u   // q4/mx4 GEMM: weight base aligned to 8 bytes
 #define EPK_EARLY 16u  // GEMV: the weights are resident (no kernel writes them): load them early
+#define EPK_E8X 32u    // mx4p: some E8M0 scale is 0 or 255 (decode every scale exactly)
 
 namespace epk {
 
@@ -2509,42 +2510,82 @@ __device__ __forceinline__ void q4p_stage_x(u8* xs, const T* __restrict__ x, int
   }
 }
 
-template <typename T, int D, bool ZP, bool TWO>
-__device__ __forceinline__ void q4p_run(T* __restrict__ y, const T* __restrict__ x,
-                                        const uint4* __restrict__ wq, const uint2* __restrict__ wsc,
-                                        const u16* __restrict__ wz, u8* xs, int M, int N, int K,
-                                        int S, int j0, int j1, u32 flags) {
+// The formats a packed GEMV reads beside its weight words (`packed_run`'s F): where a step's scales
+// (and zero points) are, and how a word and a slot become a block's A registers and its two scales.
+// Q4P: MatMulNBits' scales T [G][S][8 g][4] (a lane's uint2) and zero points u16 [G][S][8 g].
+template <typename T, bool ZP>
+struct Q4PFormat {
+  struct Slot {
+    uint2 s;
+    u32 z;
+  };
+  const uint2* __restrict__ sc;
+  const u16* __restrict__ zp;
+  u32 magic, zr8, zh8;
+  __device__ __forceinline__ Q4PFormat(const void* scales, const void* zeros)
+      : sc(reinterpret_cast<const uint2*>(scales)),
+        zp(reinterpret_cast<const u16*>(zeros)),
+        magic(Elem<T>::kMagic * 0x10001u),
+        zr8(Elem<T>::kMagic * 0x10001u + 8u * 0x10001u),
+        zh8(0xD400D400u + 8u * 0x00100010u) {}
+  __device__ __forceinline__ void start(size_t first, int g) {
+    sc += first * 8 + g;
+    zp += first * 8 + g;
+  }
+  __device__ __forceinline__ Slot load(size_t i) const {
+    Slot v;
+    v.s = __ldg(sc + i * 8);
+    v.z = ZP ? (u32)__ldg(zp + i * 8) : 0u;
+    return v;
+  }
+  __device__ __forceinline__ void block(const uint4& q, const Slot& v, int b, u32 (&a0)[4],
+                                        u32 (&a1)[4], float& slo, float& shi) const {
+    u32 zr[2], zh[2];
+    if (ZP) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const u32 z = (v.z >> (8 * b + 4 * h)) & 15u;
+        zr[h] = magic + z * 0x10001u;
+        zh[h] = 0xD400D400u + z * 0x00100010u;
+      }
+    } else {
+      zr[0] = zr8, zr[1] = zr8, zh[0] = zh8, zh[1] = zh8;
+    }
+    q4p_pairs<T>(word_at(q, 2 * b), magic, zr, zh, a0);
+    q4p_pairs<T>(word_at(q, 2 * b + 1), magic, zr, zh, a1);
+    q4p_scales<T>(b == 0 ? v.s.x : v.s.y, slo, shi);
+  }
+};
+
+template <typename T, int D, bool TWO, class F>
+__device__ __forceinline__ void packed_run(F f, T* __restrict__ y, const T* __restrict__ x,
+                                           const uint4* __restrict__ wq, u8* xs, int M, int N,
+                                           int K, int S, int j0, int j1, u32 flags) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int total = (j1 - j0) * S;  // warp-uniform
   const size_t first = (size_t)j0 * S;
   wq += first * 32 + lane;
-  wsc += first * 8 + g;
-  wz += first * 8 + g;
+  f.start(first, g);
   uint4 rq[D];
-  uint2 rs[D];
-  u32 rz[D];
+  typename F::Slot rs[D];
   PdlWait ready(flags);  // EPK_EARLY (resident weights): the ring's first steps load before it
 #pragma unroll
   for (int d = 0; d < D; ++d) {
     if (d < total) {
       rq[d] = ld_stream(wq + d * 32);
-      rs[d] = __ldg(wsc + d * 8);
-      rz[d] = ZP ? (u32)__ldg(wz + d * 8) : 0u;
+      rs[d] = f.load(d);
     }
   }
   ready();
   const int xr = (S << 7) + 16;
   q4p_stage_x<T>(xs, x, M, K, S, xr, (flags & EPK_X16) != 0);
   __syncthreads();
-  const u32 magic = Elem<T>::kMagic * 0x10001u;
   const u32 xa = smem_addr(xs) + (u32)(g * xr + (t << 5));
   const u32 xb = xa + (u32)(8 * xr);
   float acc[2][4];
 #pragma unroll
   for (int h = 0; h < 2; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.0f;
-  u32 zr8[2] = {magic + 8u * 0x10001u, magic + 8u * 0x10001u};
-  u32 zh8[2] = {0xD400D400u + 8u * 0x00100010u, 0xD400D400u + 8u * 0x00100010u};
   int si = 0, cj = j0;
   for (int s0 = 0; s0 < total; s0 += D) {
 #pragma unroll
@@ -2555,33 +2596,18 @@ __device__ __forceinline__ void q4p_run(T* __restrict__ y, const T* __restrict__
       q4p_lds(xa + (u32)(si << 7), bl);
       if (TWO) q4p_lds(xb + (u32)(si << 7), bh);
       const uint4 q = rq[d];
-      const uint2 sc = rs[d];
-      const u32 zw = rz[d];
+      const typename F::Slot sv = rs[d];
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
-        u32 zr[2], zh[2];
-        if (ZP) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const u32 z = (zw >> (8 * b + 4 * h)) & 15u;
-            zr[h] = magic + z * 0x10001u;
-            zh[h] = 0xD400D400u + z * 0x00100010u;
-          }
-        } else {
-          zr[0] = zr8[0], zr[1] = zr8[1], zh[0] = zh8[0], zh[1] = zh8[1];
-        }
         u32 a0[4], a1[4];
-        q4p_pairs<T>(word_at(q, 2 * b), magic, zr, zh, a0);
-        q4p_pairs<T>(word_at(q, 2 * b + 1), magic, zr, zh, a1);
         float slo, shi;
-        q4p_scales<T>(b == 0 ? sc.x : sc.y, slo, shi);
+        f.block(q, sv, b, a0, a1, slo, shi);
         q4p_block<T>(acc[0], a0, a1, bl[b], slo, shi);
         if (TWO) q4p_block<T>(acc[1], a0, a1, bh[b], slo, shi);
       }
       if (idx + D < total) {  // the slot is free: refill it with the step D ahead
         rq[d] = ld_stream(wq + (size_t)(idx + D) * 32);
-        rs[d] = __ldg(wsc + (size_t)(idx + D) * 8);
-        if (ZP) rz[d] = (u32)__ldg(wz + (size_t)(idx + D) * 8);
+        rs[d] = f.load((size_t)(idx + D));
       }
       if (++si == S) {  // group cj is complete: rows 16 cj + g (+ 8), batch rows 2t, 2t + 1 (+ 8)
         const int n = (cj << 4) + g;
@@ -2602,11 +2628,12 @@ __device__ __forceinline__ void q4p_run(T* __restrict__ y, const T* __restrict__
   }
 }
 
-// D: ring slots a warp (steps of 512 bytes a warp; D - 1 in flight while one is used).
-template <typename T, int D>
-__device__ __forceinline__ void q4p_gemv(T* __restrict__ y, const T* __restrict__ x,
-                                         const u8* b, const T* scales, const void* zp, int M,
-                                         int N, int K, u32 flags) {
+// A warp's range of row groups, then the loop for M <= 8 or M > 8 (uniform for the launch: one
+// branch-free loop for each case). D: ring slots a warp (steps of 512 bytes a warp; D - 1 in
+// flight while one is used).
+template <typename T, int D, class F>
+__device__ __forceinline__ void packed_gemv(const F& f, T* __restrict__ y, const T* __restrict__ x,
+                                            const u8* b, int M, int N, int K, u32 flags) {
   extern __shared__ __align__(16) u8 q4p_xs[];
   const int warp = threadIdx.x >> 5;
   const int S = (K + 63) >> 6;
@@ -2615,16 +2642,121 @@ __device__ __forceinline__ void q4p_gemv(T* __restrict__ y, const T* __restrict_
   const long long groups = ((long long)N + 15) >> 4;
   const int j0 = (int)(gw * groups / warps), j1 = (int)((gw + 1) * groups / warps);
   const uint4* wq = reinterpret_cast<const uint4*>(b);
-  const uint2* wsc = reinterpret_cast<const uint2*>(scales);
-  const u16* wz = reinterpret_cast<const u16*>(zp);
-  const bool has_zp = (flags & EPK_ZP) != 0;
-  if (M > 8) {  // uniform for the launch: one branch-free loop for each case
-    if (has_zp) q4p_run<T, D, true, true>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
-    else q4p_run<T, D, false, true>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
-  } else {
-    if (has_zp) q4p_run<T, D, true, false>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
-    else q4p_run<T, D, false, false>(y, x, wq, wsc, wz, q4p_xs, M, N, K, S, j0, j1, flags);
+  if (M > 8) packed_run<T, D, true>(f, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+  else packed_run<T, D, false>(f, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void q4p_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                         const u8* b, const T* scales, const void* zp, int M,
+                                         int N, int K, u32 flags) {
+  if ((flags & EPK_ZP) != 0) packed_gemv<T, D>(Q4PFormat<T, true>(scales, zp), y, x, b, M, N, K, flags);
+  else packed_gemv<T, D>(Q4PFormat<T, false>(scales, zp), y, x, b, M, N, K, flags);
+}
+
+// --- packed MXFP4 GEMV (mx4p): OCP MXFP4 weights in the q4p layout --------------------------------
+//
+// `ep_gemv_mx4p_<dt>` (fp16/bf16, decode, M <= 16) runs `packed_run` over a weight
+// `ep.kernels.q4p.pack_mx4` repacked once: the q4p geometry (each MMA's 16 k in one 32-block, a
+// warp's weights and scales two contiguous streams), no zero points, and E8M0 scale bytes
+// [G][S][8 g][4] (block b's scale of row g + 8h at byte 2b + h; a lane reads one u32 a step).
+//
+// Dequantization in registers, exact, without tables: an E2M1 code (s, e1 e0, m) whose 3
+// magnitude bits sit in the lowest exponent bits and the top mantissa bit of a 16-bit float (bf16:
+// bits 8..6, fp16: 11..9) and whose sign sits in bit 15 is e2m1 x 2^(1 - bias) exactly (e = 0 is a
+// subnormal, which is exactly E2M1's subnormal); one HMUL2 by 2^(bias - 1) (bf16 2^126, fp16 2^14)
+// on the CUDA cores (which keep subnormals) makes it the normal e2m1 value the MMA takes, and the
+// block's E8M0 scale is applied once, in fp32, to the sum of its two MMAs (as q4p's scale).
+// Putting the sign 7 (bf16) or 4 (fp16) bits above the magnitude is what a single shift-and-mask
+// cannot do for all four registers of a word (those 4-bit shapes do not tile the word; checked
+// exhaustively, also with funnel shifts over a step's four words). So the packer stores each word
+// XOR-encoded over GF(2): register r of a word w is ((rotl(w, a) ^ rotl(w, b)) & MASK) or
+// (rotl(w, a) & MASK), with rotations chosen so that the map from w to the four registers' 32
+// bits is invertible; `pack_mx4` stores its inverse applied to the codes (ep/kernels/q4p.py:
+// _MX4_ROTATIONS; the NumPy twin decodes with these same rotations). Four registers need at
+// least four distinct non-zero rotations (fewer leave the map singular: exhaustive search).
+//
+// Per 16 bytes a lane (one step, bf16 or fp16, M <= 8): 1 LDG.128 + 1 LDG.32 (the scales), 2
+// LDS.128, 16 SHF + 16 LOP3 + 16 HMUL2 (q4p: 12 SHF + 16 LOP3 + 16 HSUB2, no zero points), 4 HMMA,
+// 8 FFMA, 8 SHF/LOP3 for the four scales (q4p: 4), so about 8 instructions a step more than q4p.
+// E8M0 bytes 0 (2^-127, an fp32 subnormal) and 255 (NaN) do not fit the scale's two-instruction
+// decode (byte << 23): `pack_mx4` reports them and the launch then takes the exact decode
+// (`e8m0_f32`, EPK_E8X) for the whole weight.
+
+__device__ __forceinline__ u32 rotl(u32 w, int n) { return __funnelshift_l(w, w, n); }
+
+template <u32 MASK>
+__device__ __forceinline__ u32 xor_and(u32 a, u32 b) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0x28;" : "=r"(r) : "r"(a), "r"(b), "n"(MASK));  // (a ^ b) & c
+  return r;
+}
+
+// An XOR-encoded word -> the four A registers of its MMA, each pair e2m1 exactly (fix: 2^(bias-1)
+// in both halves). The rotations are _MX4_ROTATIONS in ep/kernels/q4p.py.
+template <typename T>
+__device__ __forceinline__ void mx4p_pairs(u32 w, u32 fix, u32 (&a)[4]);
+template <typename T>
+__device__ __forceinline__ u32 mx4p_fix();  // 2^(bias - 1) in both halves
+template <>
+__device__ __forceinline__ u32 mx4p_fix<__nv_bfloat16>() { return 0x7E807E80u; }  // 2^126
+template <>
+__device__ __forceinline__ u32 mx4p_fix<__half>() { return 0x74007400u; }  // 2^14
+
+template <>
+__device__ __forceinline__ void mx4p_pairs<__nv_bfloat16>(u32 w, u32 fix, u32 (&a)[4]) {
+  constexpr u32 kMask = 0x81C081C0u;  // sign 15, exponent bits 8..7, mantissa bit 6 (each half)
+  const u32 w2 = rotl(w, 2);
+  a[0] = pk_mul<__nv_bfloat16>(w & kMask, fix);
+  a[1] = pk_mul<__nv_bfloat16>(rotl(w, 12) & kMask, fix);
+  a[2] = pk_mul<__nv_bfloat16>(xor_and<kMask>(w2, rotl(w, 6)), fix);
+  a[3] = pk_mul<__nv_bfloat16>(xor_and<kMask>(w2, rotl(w, 8)), fix);
+}
+
+template <>
+__device__ __forceinline__ void mx4p_pairs<__half>(u32 w, u32 fix, u32 (&a)[4]) {
+  constexpr u32 kMask = 0x8E008E00u;  // sign 15, exponent bits 11..10, mantissa bit 9 (each half)
+  a[0] = pk_mul<__half>(rotl(w, 2) & kMask, fix);
+  a[1] = pk_mul<__half>(xor_and<kMask>(w, rotl(w, 6)), fix);
+  a[2] = pk_mul<__half>(xor_and<kMask>(w, rotl(w, 9)), fix);
+  a[3] = pk_mul<__half>(xor_and<kMask>(w, rotl(w, 13)), fix);
+}
+
+// MX4P: E8M0 bytes [G][S][8 g][4] (a lane's u32). XS: decode every byte exactly (0: 2^-127, 255:
+// NaN, `e8m0_f32`); else byte << 23 (exact for 1..254, which is all `pack_mx4` lets through then).
+template <typename T, bool XS>
+struct MX4PFormat {
+  typedef u32 Slot;
+  const u32* __restrict__ sc;
+  u32 fix;
+  __device__ __forceinline__ explicit MX4PFormat(const void* scales)
+      : sc(reinterpret_cast<const u32*>(scales)),
+        fix(mx4p_fix<T>()) {}
+  __device__ __forceinline__ void start(size_t first, int g) { sc += first * 8 + g; }
+  __device__ __forceinline__ Slot load(size_t i) const { return __ldg(sc + i * 8); }
+  __device__ __forceinline__ void block(const uint4& q, const Slot& v, int b, u32 (&a0)[4],
+                                        u32 (&a1)[4], float& slo, float& shi) const {
+    mx4p_pairs<T>(word_at(q, 2 * b), fix, a0);
+    mx4p_pairs<T>(word_at(q, 2 * b + 1), fix, a1);
+    if (XS) {
+      slo = e8m0_f32((v >> (16 * b)) & 0xFFu);
+      shi = e8m0_f32((v >> (16 * b + 8)) & 0xFFu);
+    } else if (b == 0) {
+      slo = __uint_as_float((v << 23) & 0x7F800000u);
+      shi = __uint_as_float((v << 15) & 0x7F800000u);
+    } else {
+      slo = __uint_as_float((v << 7) & 0x7F800000u);
+      shi = __uint_as_float((v >> 1) & 0x7F800000u);
+    }
   }
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                          const u8* b, const u8* scales, int M, int N, int K,
+                                          u32 flags) {
+  if ((flags & EPK_E8X) != 0) packed_gemv<T, D>(MX4PFormat<T, true>(scales), y, x, b, M, N, K, flags);
+  else packed_gemv<T, D>(MX4PFormat<T, false>(scales), y, x, b, M, N, K, flags);
 }
 
 }  // namespace epk
