@@ -3,7 +3,8 @@
 For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x1152 (fused QKV), 896x4864,
 896x9728 (fused gate + up), 4864x896, 896x151936;
 bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points), the same
-4-bit weights repacked for ``ep_gemv_q4p`` (``q4p``; ``q4p-d8b2``: a compiled ring) and MXFP4;
+4-bit weights repacked for ``ep_gemv_q4p`` (``q4p``; ``q4p-d8b2``: a compiled ring), MXFP4 and
+the same MXFP4 bytes repacked for ``ep_gemv_mx4p`` (``mx4p``; ``mx4p-d8b2``);
 M = 1, 4, 16) and for decode attention (bf16, 14 query heads, 2 KV heads, head_dim 64: full
 head-major caches of 512, 2k, 8k, 32k tokens, and the native decode graph's case, a seq-major cache
 of 2048 slots holding 1, 40, 128, 512, 2048 live tokens), it reports the bytes a launch must move
@@ -86,9 +87,12 @@ SHAPES = [
 ]  # (K, N)
 LARGE = {(896, 4864), (896, 9728), (4864, 896), (896, 151936)}
 ROWS = [1, 4, 16]
-FORMATS = ["bf16-nk", "bf16-kn", "q4", "q4p", "mxfp4"]
-# kernel-name part of each format; q4p: the 4-bit weights of q4 repacked (`ep.kernels.q4p`)
-_FAMILY = {"bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "q4p": "q4p", "mxfp4": "mx4"}
+FORMATS = ["bf16-nk", "bf16-kn", "q4", "q4p", "mxfp4", "mx4p"]
+# kernel-name part of each format; q4p / mx4p: the weights of q4 / mxfp4 repacked
+# (`ep.kernels.q4p`)
+_FAMILY = {
+    "bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "q4p": "q4p", "mxfp4": "mx4", "mx4p": "mx4p"
+}  # fmt: skip
 _ALIASES = {"bf16": "bf16-nk"}  # --formats bf16: the dense [N, K] (decode) orientation
 GEMV_CHOICES = ("v1", "v2", "v2-any")  # --gemv: the GEMV versions a row runs under
 _GEMV_FORMATS = ("bf16-nk", "q4", "mxfp4")  # the formats with a v2 GEMV (--gemv applies to them)
@@ -254,10 +258,14 @@ def _weights(fmt: str, rng: np.random.Generator, K: int, N: int) -> dict[str, np
             packed = q4p.pack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)
             w = dict(zip(("b", "scales", "zp"), packed, strict=True))
         return w
-    return {
+    w = {
         "b": rng.integers(0, 256, (N, K // 32, 16), dtype=np.uint8),
-        "scales": rng.integers(118, 124, (N, K // 32), dtype=np.uint8),
+        "scales": rng.integers(118, 124, (N, K // 32), dtype=np.uint8),  # no E8M0 0 or 255
     }
+    if fmt.startswith("mx4p"):  # the same bytes in the packed layout (its padding included)
+        packed = q4p.pack_mx4(w["b"], w["scales"], N=N, K=K, dtype=BF16)
+        w = dict(zip(("b", "scales"), packed[:2], strict=True))
+    return w
 
 
 def _reference(
@@ -270,8 +278,11 @@ def _reference(
         wt = w["w"].astype(np.float32)
         wt = wt[r] if fmt == "bf16-nk" else wt[:, r]
         return np.matmul(x.astype(np.float32), wt.T if fmt == "bf16-nk" else wt).astype(BF16)
-    if fmt.startswith("q4p"):
-        dense = q4p.unpack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)[r]
+    if fmt.startswith(("q4p", "mx4p")):
+        if fmt.startswith("q4p"):
+            dense = q4p.unpack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)[r]
+        else:
+            dense = q4p.unpack_mx4(w["b"], w["scales"], N=N, K=K, dtype=BF16)[r]
         return np.matmul(x.astype(np.float32), dense.T).astype(BF16)
     if fmt == "q4":
         kb = -(-K // 32)
@@ -310,6 +321,10 @@ def _launch(
         packed = q4p.PackedQ4(w["b"], w["scales"], w["zp"], N, K)
         ring = fmt.partition("-")[2] or None
         return q4p.gemv_q4_packed(dev, out, x, packed, M=M, stream=s, resident=resident, ring=ring)
+    if fmt.startswith("mx4p"):  # mx4p, or mx4p-<ring>; `_weights` draws no E8M0 0 or 255
+        mx = q4p.PackedMX4(w["b"], w["scales"], N, K, BF16, exact=False)
+        ring = fmt.partition("-")[2] or None
+        return q4p.gemv_mx4_packed(dev, out, x, mx, M=M, stream=s, resident=resident, ring=ring)
     return mm.gemm_mxfp4(
         dev, out, x, w["b"], w["scales"], M=M, N=N, K=K, stream=s, workspace=ws, resident=resident
     )
@@ -740,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
     formats = [_ALIASES.get(f, f) for f in args.formats.split(",") if f]
     if args.attention_only:
         formats = []
-    # q4p-<ring>: the q4p family (the variant's kernel name holds "_q4p_")
+    # q4p-<ring> / mx4p-<ring>: the q4p / mx4p family (the variant's kernel name holds "_q4p_")
     families = tuple(f"_{_FAMILY.get(f, f.partition('-')[0])}_" for f in formats)
     needed = [
         n
