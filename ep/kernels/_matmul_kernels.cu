@@ -2515,36 +2515,27 @@ __device__ __forceinline__ void q4p_stage_x(u8* xs, const T* __restrict__ x, int
 // Q4P: MatMulNBits' scales T [G][S][8 g][4] (a lane's uint2) and zero points u16 [G][S][8 g].
 template <typename T, bool ZP>
 struct Q4PFormat {
-  struct Slot {
-    uint2 s;
-    u32 z;
-  };
+  typedef uint2 Slot;  // a step's scales (its zero points: `zero`, a second ring)
+  static constexpr u32 magic = Elem<T>::kMagic * 0x10001u;
+  static constexpr u32 zr8 = magic + 8u * 0x10001u;  // zero point 8 (no zero points given)
+  static constexpr u32 zh8 = 0xD400D400u + 8u * 0x00100010u;
   const uint2* __restrict__ sc;
   const u16* __restrict__ zp;
-  u32 magic, zr8, zh8;
   __device__ __forceinline__ Q4PFormat(const void* scales, const void* zeros)
-      : sc(reinterpret_cast<const uint2*>(scales)),
-        zp(reinterpret_cast<const u16*>(zeros)),
-        magic(Elem<T>::kMagic * 0x10001u),
-        zr8(Elem<T>::kMagic * 0x10001u + 8u * 0x10001u),
-        zh8(0xD400D400u + 8u * 0x00100010u) {}
+      : sc(reinterpret_cast<const uint2*>(scales)), zp(reinterpret_cast<const u16*>(zeros)) {}
   __device__ __forceinline__ void start(size_t first, int g) {
     sc += first * 8 + g;
     zp += first * 8 + g;
   }
-  __device__ __forceinline__ Slot load(size_t i) const {
-    Slot v;
-    v.s = __ldg(sc + i * 8);
-    v.z = ZP ? (u32)__ldg(zp + i * 8) : 0u;
-    return v;
-  }
-  __device__ __forceinline__ void block(const uint4& q, const Slot& v, int b, u32 (&a0)[4],
-                                        u32 (&a1)[4], float& slo, float& shi) const {
+  __device__ __forceinline__ Slot load(size_t i) const { return __ldg(sc + i * 8); }
+  __device__ __forceinline__ u32 zero(size_t i) const { return ZP ? (u32)__ldg(zp + i * 8) : 0u; }
+  __device__ __forceinline__ void block(const uint4& q, const Slot& v, u32 zw, int b,
+                                        u32 (&a0)[4], u32 (&a1)[4], float& slo, float& shi) const {
     u32 zr[2], zh[2];
     if (ZP) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const u32 z = (v.z >> (8 * b + 4 * h)) & 15u;
+        const u32 z = (zw >> (8 * b + 4 * h)) & 15u;
         zr[h] = magic + z * 0x10001u;
         zh[h] = 0xD400D400u + z * 0x00100010u;
       }
@@ -2553,7 +2544,7 @@ struct Q4PFormat {
     }
     q4p_pairs<T>(word_at(q, 2 * b), magic, zr, zh, a0);
     q4p_pairs<T>(word_at(q, 2 * b + 1), magic, zr, zh, a1);
-    q4p_scales<T>(b == 0 ? v.s.x : v.s.y, slo, shi);
+    q4p_scales<T>(b == 0 ? v.x : v.y, slo, shi);
   }
 };
 
@@ -2569,12 +2560,14 @@ __device__ __forceinline__ void packed_run(F f, T* __restrict__ y, const T* __re
   f.start(first, g);
   uint4 rq[D];
   typename F::Slot rs[D];
+  u32 rz[D];  // zero points (q4p with EPK_ZP; else never read)
   PdlWait ready(flags);  // EPK_EARLY (resident weights): the ring's first steps load before it
 #pragma unroll
   for (int d = 0; d < D; ++d) {
     if (d < total) {
       rq[d] = ld_stream(wq + d * 32);
       rs[d] = f.load(d);
+      rz[d] = f.zero(d);
     }
   }
   ready();
@@ -2597,17 +2590,19 @@ __device__ __forceinline__ void packed_run(F f, T* __restrict__ y, const T* __re
       if (TWO) q4p_lds(xb + (u32)(si << 7), bh);
       const uint4 q = rq[d];
       const typename F::Slot sv = rs[d];
+      const u32 zw = rz[d];
 #pragma unroll
       for (int b = 0; b < 2; ++b) {
         u32 a0[4], a1[4];
         float slo, shi;
-        f.block(q, sv, b, a0, a1, slo, shi);
+        f.block(q, sv, zw, b, a0, a1, slo, shi);
         q4p_block<T>(acc[0], a0, a1, bl[b], slo, shi);
         if (TWO) q4p_block<T>(acc[1], a0, a1, bh[b], slo, shi);
       }
       if (idx + D < total) {  // the slot is free: refill it with the step D ahead
         rq[d] = ld_stream(wq + (size_t)(idx + D) * 32);
         rs[d] = f.load((size_t)(idx + D));
+        rz[d] = f.zero((size_t)(idx + D));
       }
       if (++si == S) {  // group cj is complete: rows 16 cj + g (+ 8), batch rows 2t, 2t + 1 (+ 8)
         const int n = (cj << 4) + g;
@@ -2628,33 +2623,39 @@ __device__ __forceinline__ void packed_run(F f, T* __restrict__ y, const T* __re
   }
 }
 
-// A warp's range of row groups, then the loop for M <= 8 or M > 8 (uniform for the launch: one
-// branch-free loop for each case). D: ring slots a warp (steps of 512 bytes a warp; D - 1 in
-// flight while one is used).
-template <typename T, int D, class F>
-__device__ __forceinline__ void packed_gemv(const F& f, T* __restrict__ y, const T* __restrict__ x,
-                                            const u8* b, int M, int N, int K, u32 flags) {
-  extern __shared__ __align__(16) u8 q4p_xs[];
-  const int warp = threadIdx.x >> 5;
-  const int S = (K + 63) >> 6;
+// A warp's range of row groups [j0, j1) of a packed GEMV's persistent grid.
+__device__ __forceinline__ void packed_range(int N, int& j0, int& j1) {
   const long long warps = (long long)gridDim.x * Q4P_WARPS;
-  const long long gw = (long long)blockIdx.x * Q4P_WARPS + warp;
+  const long long gw = (long long)blockIdx.x * Q4P_WARPS + (threadIdx.x >> 5);
   const long long groups = ((long long)N + 15) >> 4;
-  const int j0 = (int)(gw * groups / warps), j1 = (int)((gw + 1) * groups / warps);
-  const uint4* wq = reinterpret_cast<const uint4*>(b);
-  if (M > 8) packed_run<T, D, true>(f, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
-  else packed_run<T, D, false>(f, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+  j0 = (int)(gw * groups / warps);
+  j1 = (int)((gw + 1) * groups / warps);
 }
 
+// D: ring slots a warp (steps of 512 bytes a warp; D - 1 in flight while one is used). M > 8 or
+// not is uniform for the launch: one branch-free loop for each case, and each format.
 template <typename T, int D>
 __device__ __forceinline__ void q4p_gemv(T* __restrict__ y, const T* __restrict__ x,
                                          const u8* b, const T* scales, const void* zp, int M,
                                          int N, int K, u32 flags) {
-  if ((flags & EPK_ZP) != 0) packed_gemv<T, D>(Q4PFormat<T, true>(scales, zp), y, x, b, M, N, K, flags);
-  else packed_gemv<T, D>(Q4PFormat<T, false>(scales, zp), y, x, b, M, N, K, flags);
+  extern __shared__ __align__(16) u8 q4p_xs[];
+  const int S = (K + 63) >> 6;
+  int j0, j1;
+  packed_range(N, j0, j1);
+  const uint4* wq = reinterpret_cast<const uint4*>(b);
+  const Q4PFormat<T, true> with_zp(scales, zp);
+  const Q4PFormat<T, false> no_zp(scales, zp);
+  const bool has_zp = (flags & EPK_ZP) != 0;
+  if (M > 8) {
+    if (has_zp) packed_run<T, D, true>(with_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    else packed_run<T, D, true>(no_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+  } else {
+    if (has_zp) packed_run<T, D, false>(with_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    else packed_run<T, D, false>(no_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+  }
 }
 
-// --- packed MXFP4 GEMV (mx4p): OCP MXFP4 weights in the q4p layout --------------------------------
+// --- packed MXFP4 GEMV (mx4p): OCP MXFP4 weights in the q4p layout -------------------------------
 //
 // `ep_gemv_mx4p_<dt>` (fp16/bf16, decode, M <= 16) runs `packed_run` over a weight
 // `ep.kernels.q4p.pack_mx4` repacked once: the q4p geometry (each MMA's 16 k in one 32-block, a
@@ -2734,7 +2735,8 @@ struct MX4PFormat {
         fix(mx4p_fix<T>()) {}
   __device__ __forceinline__ void start(size_t first, int g) { sc += first * 8 + g; }
   __device__ __forceinline__ Slot load(size_t i) const { return __ldg(sc + i * 8); }
-  __device__ __forceinline__ void block(const uint4& q, const Slot& v, int b, u32 (&a0)[4],
+  __device__ __forceinline__ u32 zero(size_t) const { return 0u; }  // no zero points
+  __device__ __forceinline__ void block(const uint4& q, const Slot& v, u32, int b, u32 (&a0)[4],
                                         u32 (&a1)[4], float& slo, float& shi) const {
     mx4p_pairs<T>(word_at(q, 2 * b), fix, a0);
     mx4p_pairs<T>(word_at(q, 2 * b + 1), fix, a1);
@@ -2755,8 +2757,21 @@ template <typename T, int D>
 __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const u8* b, const u8* scales, int M, int N, int K,
                                           u32 flags) {
-  if ((flags & EPK_E8X) != 0) packed_gemv<T, D>(MX4PFormat<T, true>(scales), y, x, b, M, N, K, flags);
-  else packed_gemv<T, D>(MX4PFormat<T, false>(scales), y, x, b, M, N, K, flags);
+  extern __shared__ __align__(16) u8 q4p_xs[];
+  const int S = (K + 63) >> 6;
+  int j0, j1;
+  packed_range(N, j0, j1);
+  const uint4* wq = reinterpret_cast<const uint4*>(b);
+  const MX4PFormat<T, true> exact(scales);
+  const MX4PFormat<T, false> fast(scales);
+  const bool xs = (flags & EPK_E8X) != 0;
+  if (M > 8) {
+    if (xs) packed_run<T, D, true>(exact, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    else packed_run<T, D, true>(fast, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+  } else {
+    if (xs) packed_run<T, D, false>(exact, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    else packed_run<T, D, false>(fast, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+  }
 }
 
 }  // namespace epk
