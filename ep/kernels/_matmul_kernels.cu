@@ -2632,27 +2632,34 @@ __device__ __forceinline__ void packed_range(int N, int& j0, int& j1) {
   j1 = (int)((gw + 1) * groups / warps);
 }
 
-// D: ring slots a warp (steps of 512 bytes a warp; D - 1 in flight while one is used). M > 8 or
-// not is uniform for the launch: one branch-free loop for each case, and each format.
-template <typename T, int D>
-__device__ __forceinline__ void q4p_gemv(T* __restrict__ y, const T* __restrict__ x,
-                                         const u8* b, const T* scales, const void* zp, int M,
-                                         int N, int K, u32 flags) {
+// A packed GEMV over the format `fa` (when `a`) or `fb` (two compile-time variants of one format:
+// q4p with and without zero points, mx4p with the exact or the fast E8M0 decode). D: ring slots a
+// warp (steps of 512 bytes a warp; D - 1 in flight while one is used). M > 8 or not is uniform for
+// the launch: one branch-free loop for each case and each variant.
+template <typename T, int D, class FA, class FB>
+__device__ __forceinline__ void packed_gemv(const FA& fa, const FB& fb, bool a,
+                                            T* __restrict__ y, const T* __restrict__ x,
+                                            const u8* b, int M, int N, int K, u32 flags) {
   extern __shared__ __align__(16) u8 q4p_xs[];
   const int S = (K + 63) >> 6;
   int j0, j1;
   packed_range(N, j0, j1);
   const uint4* wq = reinterpret_cast<const uint4*>(b);
-  const Q4PFormat<T, true> with_zp(scales, zp);
-  const Q4PFormat<T, false> no_zp(scales, zp);
-  const bool has_zp = (flags & EPK_ZP) != 0;
   if (M > 8) {
-    if (has_zp) packed_run<T, D, true>(with_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
-    else packed_run<T, D, true>(no_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    if (a) packed_run<T, D, true>(fa, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    else packed_run<T, D, true>(fb, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
   } else {
-    if (has_zp) packed_run<T, D, false>(with_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
-    else packed_run<T, D, false>(no_zp, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    if (a) packed_run<T, D, false>(fa, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
+    else packed_run<T, D, false>(fb, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
   }
+}
+
+template <typename T, int D>
+__device__ __forceinline__ void q4p_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                         const u8* b, const T* scales, const void* zp, int M,
+                                         int N, int K, u32 flags) {
+  packed_gemv<T, D>(Q4PFormat<T, true>(scales, zp), Q4PFormat<T, false>(scales, zp),
+                    (flags & EPK_ZP) != 0, y, x, b, M, N, K, flags);
 }
 
 // --- packed MXFP4 GEMV (mx4p): OCP MXFP4 weights in the q4p layout -------------------------------
@@ -2757,21 +2764,8 @@ template <typename T, int D>
 __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const u8* b, const u8* scales, int M, int N, int K,
                                           u32 flags) {
-  extern __shared__ __align__(16) u8 q4p_xs[];
-  const int S = (K + 63) >> 6;
-  int j0, j1;
-  packed_range(N, j0, j1);
-  const uint4* wq = reinterpret_cast<const uint4*>(b);
-  const MX4PFormat<T, true> exact(scales);
-  const MX4PFormat<T, false> fast(scales);
-  const bool xs = (flags & EPK_E8X) != 0;
-  if (M > 8) {
-    if (xs) packed_run<T, D, true>(exact, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
-    else packed_run<T, D, true>(fast, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
-  } else {
-    if (xs) packed_run<T, D, false>(exact, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
-    else packed_run<T, D, false>(fast, y, x, wq, q4p_xs, M, N, K, S, j0, j1, flags);
-  }
+  packed_gemv<T, D>(MX4PFormat<T, true>(scales), MX4PFormat<T, false>(scales),
+                    (flags & EPK_E8X) != 0, y, x, b, M, N, K, flags);
 }
 
 }  // namespace epk

@@ -6,6 +6,7 @@ without zero points, every M of the GEMV's two paths. Outputs are poisoned with 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import ml_dtypes
@@ -14,17 +15,22 @@ import pytest
 
 from ep.device import Buffer, Device, KernelCache, compile_kernel
 from ep.errors import KernelArgumentError
+from ep.kernels.matmul import MatmulPlan
 from ep.kernels.q4p import (
+    MX4P_KERNELS,
+    MX4P_RING_ENV,
     Q4P_KERNELS,
     RING_ENV,
     RINGS,
     PackedQ4,
+    gemv_mx4_packed,
     gemv_q4_packed,
     pack_q4,
     unpack_q4,
+    upload_mx4,
     upload_q4,
 )
-from ep.ops.matmul import dequantize_nbits, quantize_nbits
+from ep.ops.matmul import dequantize_nbits, quantize_mxfp4, quantize_nbits
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16]
@@ -102,38 +108,47 @@ def test_packed_gemv_is_the_product_of_the_dequantized_weights(
             np.testing.assert_array_equal(solo.to_host(stream=s)[0], out.to_host(stream=s)[4])
 
 
+@pytest.mark.parametrize("family", ["q4p", "mx4p"])
 def test_every_ring_variant_compiles_and_runs(
     device: Device, rng: np.random.Generator, upload: Upload, tmp_path: object,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, family: str,
 ) -> None:  # fmt: skip
-    """Each compiled ring (fp16 and bf16) builds for sm_90 without a GPU; each computes the same
-    bits (the ring only changes how far ahead a warp loads); the switch picks one, and a ring
-    that is not compiled is refused with the ones that are."""
+    """Each compiled ring of both packed GEMVs (fp16 and bf16) builds for sm_90 without a GPU;
+    each computes the same bits (the ring only changes how far ahead a warp loads); the switch
+    picks one, and a ring that is not compiled is refused with the ones that are."""
     rings = [f"d{d}b{b}" for d, b in RINGS]
-    assert set(Q4P_KERNELS) == {
-        f"ep_gemv_q4p_{'' if i == 0 else f'{r}_'}{dt}"
+    kernels, env = (Q4P_KERNELS, RING_ENV) if family == "q4p" else (MX4P_KERNELS, MX4P_RING_ENV)
+    assert set(kernels) == {
+        f"ep_gemv_{family}_{'' if i == 0 else f'{r}_'}{dt}"
         for i, r in enumerate(rings) for dt in ("f16", "bf16")
     }  # fmt: skip
     if device.kind == "cpu":
         cache = KernelCache(tmp_path)  # type: ignore[arg-type]
-        for source in Q4P_KERNELS.values():
+        for source in kernels.values():
             assert compile_kernel(source, "sm_90", cache=cache).report.cubin_bytes > 0
     s = device.default_stream
     N, K = 300, 896
-    b, scales, z, _ = _weight(rng, N, K, True, BF16)
-    w = upload_q4(device, b, scales, z, N=N, K=K, stream=s)
+    if family == "q4p":
+        b, scales, z, _ = _weight(rng, N, K, True, BF16)
+        w = upload_q4(device, b, scales, z, N=N, K=K, stream=s)
+        gemv: Callable[..., object] = functools.partial(gemv_q4_packed, device, w=w)
+    else:
+        b, scales = quantize_mxfp4(rng.standard_normal((N, K)).astype(np.float32))
+        mx = upload_mx4(device, b, scales, N=N, K=K, dtype=BF16, stream=s)
+        gemv = functools.partial(gemv_mx4_packed, device, w=mx)
     x = upload(device, rng.standard_normal((3, K)).astype(BF16))
     outs = []
     for ring, (_, blocks) in zip(rings, RINGS, strict=True):
-        monkeypatch.setenv(RING_ENV, ring)
+        monkeypatch.setenv(env, ring)
         out = device.alloc((3, N), BF16, stream=s)
-        assert gemv_q4_packed(device, out, x, w, M=3, stream=s).grid[0] <= blocks * 132
+        plan = gemv(out=out, x=x, M=3, stream=s)
+        assert isinstance(plan, MatmulPlan) and plan.grid[0] <= blocks * 132
         outs.append(out.to_host(stream=s))
     for got in outs[1:]:
         np.testing.assert_array_equal(got.view(np.uint16), outs[0].view(np.uint16))
-    monkeypatch.setenv(RING_ENV, "d5b5")
+    monkeypatch.setenv(env, "d5b5")
     with pytest.raises(KernelArgumentError, match="ring 'd5b5' is not compiled; expected one of"):
-        gemv_q4_packed(device, device.alloc((3, N), BF16, stream=s), x, w, M=3, stream=s)
+        gemv(out=device.alloc((3, N), BF16, stream=s), x=x, M=3, stream=s)
 
 
 def test_packed_gemv_refuses_what_it_cannot_run(
