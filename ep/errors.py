@@ -71,9 +71,19 @@ class KernelCompileError(DeviceError):
     """NVRTC rejected a kernel; the message carries the compiler log."""
 
 
+class KernelUnavailableError(KernelCompileError):
+    """A kernel built on one architecture's own instructions (wgmma: sm_90a) was asked for on
+    another architecture."""
+
+
 # --- device layer (ep/device) ------------------------------------------------------------------
 
-__all__ += ["CudaCallError", "DeviceUnavailableError", "KernelRegistryError"]
+__all__ += [
+    "CudaCallError",
+    "DeviceUnavailableError",
+    "KernelRegistryError",
+    "KernelUnavailableError",
+]
 
 
 class DeviceUnavailableError(DeviceError):

@@ -4,7 +4,8 @@ For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x1152 (fused
 896x9728 (fused gate + up), 4864x896, 896x151936;
 bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points), the same
 4-bit weights repacked for ``ep_gemv_q4p`` (``q4p``; ``q4p-d8b2``: a compiled ring), MXFP4 and
-the same MXFP4 bytes repacked for ``ep_gemv_mx4p`` (``mx4p``; ``mx4p-d8b2``);
+the same MXFP4 bytes repacked for ``ep_gemv_mx4p`` (``mx4p``; ``mx4p-d8b2``) and for the FP8
+tensor cores' ``ep_gemv_mx4f8`` (``mx4f8``, sm_90a; ``mx4f8-d8b2``);
 M = 1, 4, 16) and for decode attention (bf16, 14 query heads, 2 KV heads, head_dim 64: full
 head-major caches of 512, 2k, 8k, 32k tokens, and the native decode graph's case, a seq-major cache
 of 2048 slots holding 1, 40, 128, 512, 2048 live tokens), it reports the bytes a launch must move
@@ -72,7 +73,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from ep.device import KERNELS, Buffer, Device, get_device, probe_cuda  # noqa: E402
 from ep.device._kernels import nvrtc_version  # noqa: E402
 from ep.kernels import matmul as mm  # noqa: E402
-from ep.kernels import q4p  # noqa: E402
+from ep.kernels import mx4f8, q4p  # noqa: E402
 from ep.ops import matmul as ref  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -87,11 +88,12 @@ SHAPES = [
 ]  # (K, N)
 LARGE = {(896, 4864), (896, 9728), (4864, 896), (896, 151936)}
 ROWS = [1, 4, 16]
-FORMATS = ["bf16-nk", "bf16-kn", "q4", "q4p", "mxfp4", "mx4p"]
-# kernel-name part of each format; q4p / mx4p: the weights of q4 / mxfp4 repacked
-# (`ep.kernels.q4p`)
+FORMATS = ["bf16-nk", "bf16-kn", "q4", "q4p", "mxfp4", "mx4p", "mx4f8"]
+# kernel-name part of each format; q4p / mx4p / mx4f8: the weights of q4 / mxfp4 repacked
+# (`ep.kernels.q4p`, `ep.kernels.mx4f8`)
 _FAMILY = {
-    "bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "q4p": "q4p", "mxfp4": "mx4", "mx4p": "mx4p"
+    "bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "q4p": "q4p", "mxfp4": "mx4", "mx4p": "mx4p",
+    "mx4f8": "mx4f8",
 }  # fmt: skip
 _ALIASES = {"bf16": "bf16-nk"}  # --formats bf16: the dense [N, K] (decode) orientation
 GEMV_CHOICES = ("v1", "v2", "v2-any")  # --gemv: the GEMV versions a row runs under
@@ -265,6 +267,9 @@ def _weights(fmt: str, rng: np.random.Generator, K: int, N: int) -> dict[str, np
     if fmt.startswith("mx4p"):  # the same bytes in the packed layout (its padding included)
         packed = q4p.pack_mx4(w["b"], w["scales"], N=N, K=K, dtype=BF16)
         w = dict(zip(("b", "scales"), packed[:2], strict=True))
+    if fmt.startswith("mx4f8"):
+        packed = mx4f8.pack_mx4f8(w["b"], w["scales"], N=N, K=K)
+        w = dict(zip(("b", "scales"), packed[:2], strict=True))
     return w
 
 
@@ -278,11 +283,13 @@ def _reference(
         wt = w["w"].astype(np.float32)
         wt = wt[r] if fmt == "bf16-nk" else wt[:, r]
         return np.matmul(x.astype(np.float32), wt.T if fmt == "bf16-nk" else wt).astype(BF16)
-    if fmt.startswith(("q4p", "mx4p")):
+    if fmt.startswith(("q4p", "mx4p", "mx4f8")):
         if fmt.startswith("q4p"):
             dense = q4p.unpack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)[r]
-        else:
+        elif fmt.startswith("mx4p"):
             dense = q4p.unpack_mx4(w["b"], w["scales"], N=N, K=K, dtype=BF16)[r]
+        else:
+            dense = mx4f8.unpack_mx4f8(w["b"], w["scales"], N=N, K=K)[r]
         return np.matmul(x.astype(np.float32), dense.T).astype(BF16)
     if fmt == "q4":
         kb = -(-K // 32)
@@ -325,6 +332,10 @@ def _launch(
         mx = q4p.PackedMX4(w["b"], w["scales"], N, K, BF16, exact=False)
         ring = fmt.partition("-")[2] or None
         return q4p.gemv_mx4_packed(dev, out, x, mx, M=M, stream=s, resident=resident, ring=ring)
+    if fmt.startswith("mx4f8"):  # mx4f8, or mx4f8-<ring>
+        f8 = mx4f8.PackedMX4F8(w["b"], w["scales"], N, K, exact=False)
+        ring = fmt.partition("-")[2] or None
+        return mx4f8.gemv_mx4_f8(dev, out, x, f8, M=M, stream=s, resident=resident, ring=ring)
     return mm.gemm_mxfp4(
         dev, out, x, w["b"], w["scales"], M=M, N=N, K=K, stream=s, workspace=ws, resident=resident
     )

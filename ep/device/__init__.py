@@ -57,6 +57,7 @@ from ep.device._kernels import (
     compile_all_kernels,
     compile_kernel,
     default_cache,
+    kernel_target,
     register_kernel,
 )
 from ep.device._probe import CudaProbe, cuda_available, probe_cuda
@@ -94,6 +95,7 @@ __all__ = [
     "default_cache",
     "describe_cuda_error",
     "get_device",
+    "kernel_target",
     "probe_cuda",
     "register_kernel",
 ]

@@ -25,7 +25,15 @@ from typing import Any, Literal
 import ml_dtypes
 import numpy as np
 
-from ep.device._kernels import KERNELS, KernelRegistry, KernelReport, KernelSource, param_dtype
+from ep.device._kernels import (
+    KERNELS,
+    KernelRegistry,
+    KernelReport,
+    KernelSource,
+    kernel_target,
+    param_dtype,
+    skipped_report,
+)
 from ep.errors import DeviceError
 from ep.seams import BindingSignature
 
@@ -1426,9 +1434,17 @@ class Device:
         return handle
 
     def compile_all(self, *, registry: KernelRegistry | None = None) -> list[KernelReport]:
-        """Compile and load every registered kernel; call it before any capture."""
+        """Compile and load every registered kernel; call it before any capture. A kernel that
+        does not exist for this device's architecture (`KernelSource.targets`) is reported as
+        skipped."""
         registry = registry if registry is not None else KERNELS
-        return [self.kernel(source).load() for source in registry]
+        assert self.arch is not None  # a device that compiles knows its architecture
+        return [
+            self.kernel(source).load()
+            if kernel_target(source, self.arch)
+            else skipped_report(source, self.arch)
+            for source in registry
+        ]
 
     # -- capture --
 

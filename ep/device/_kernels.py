@@ -30,7 +30,12 @@ from typing import Literal
 import ml_dtypes
 import numpy as np
 
-from ep.errors import DeviceUnavailableError, KernelCompileError, KernelRegistryError
+from ep.errors import (
+    DeviceUnavailableError,
+    KernelCompileError,
+    KernelRegistryError,
+    KernelUnavailableError,
+)
 
 __all__ = [
     "CACHE_ENV",
@@ -47,9 +52,11 @@ __all__ = [
     "compile_kernel",
     "cubin_symbols",
     "default_cache",
+    "kernel_target",
     "nvrtc_version",
     "param_dtype",
     "register_kernel",
+    "skipped_report",
 ]
 
 CACHE_ENV = "GENAI_EP_KERNEL_CACHE"
@@ -165,6 +172,11 @@ class KernelSource:
     every launch is a cooperative one, which the driver starts only if the whole grid is resident
     at once (`Kernel.resident_blocks` says how many blocks that is), and without programmatic
     dependent launch, so no earlier kernel still holds the SMs its blocks need.
+
+    ``targets`` lists the architecture-specific targets a kernel exists for (``("sm_90a",)``: it
+    uses instructions only that architecture has, such as wgmma); it compiles for those
+    (``sm_90`` means ``sm_90a`` for it), is skipped by `compile_all` elsewhere, and refused there
+    with `KernelUnavailableError`. Empty: every architecture.
     """
 
     name: str
@@ -175,6 +187,7 @@ class KernelSource:
     cpu: Callable[..., None] | None = field(default=None, compare=False)
     pdl_wait: Literal["entry", "kernel"] = "entry"
     cooperative: bool = False
+    targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*", self.name):
@@ -197,6 +210,13 @@ class KernelSource:
                 "EP_PDL_WAIT(); call it before the kernel reads what an earlier kernel wrote, or "
                 "use pdl_wait='entry'"
             )
+        object.__setattr__(self, "targets", tuple(self.targets))
+        for target in self.targets:
+            if not re.fullmatch(r"sm_\d{2,3}[af]", target):
+                raise KernelRegistryError(
+                    f"kernel {self.name!r}: target {target!r} is not architecture-specific; "
+                    "targets name sm_XXa or sm_XXf (leave targets empty for every architecture)"
+                )
         pattern = rf"__global__\b[^;{{]*\b{re.escape(self.entry)}\s*\("
         if not re.search(pattern, self.source):
             raise KernelRegistryError(
@@ -211,7 +231,8 @@ class KernelSource:
 
     def same_kernel(self, other: KernelSource) -> bool:
         """Whether two sources compile and launch identically (the CPU twin may be re-created)."""
-        fields = ("name", "source", "params", "entry", "options", "pdl_wait", "cooperative")
+        fields = ("name", "source", "params", "entry", "options", "pdl_wait", "cooperative",
+                  "targets")  # fmt: skip
         return all(getattr(self, f) == getattr(other, f) for f in fields)
 
 
@@ -408,7 +429,8 @@ class KernelReport:
     name: str
     arch: str
     cubin_bytes: int
-    cache: Literal["hit", "miss", "corrupt", "none"]  # corrupt: the file was bad and rebuilt
+    # corrupt: the file was bad and rebuilt; skipped: not for this architecture (`targets`)
+    cache: Literal["hit", "miss", "corrupt", "none", "skipped"]
     seconds: float
     path: str = ""
     note: str = ""
@@ -558,11 +580,28 @@ def _nvrtc_compile(source: KernelSource, arch: str) -> bytes:
     return cubin
 
 
+def kernel_target(source: KernelSource, arch: str) -> str | None:
+    """The target ``source`` compiles for on ``arch``: ``arch`` itself, or the kernel's
+    architecture-specific target of the same architecture (``sm_90a`` on ``sm_90``); None when
+    the kernel does not exist for ``arch``."""
+    if not source.targets:
+        return arch
+    base = check_arch(arch).rstrip("af")
+    return next((t for t in source.targets if t.rstrip("af") == base), None)
+
+
 def compile_kernel(
     source: KernelSource, arch: str, *, cache: KernelCache | None = None, use_cache: bool = True
 ) -> CompiledKernel:
     """Cubin for ``source`` on ``arch`` (``sm_XX``), from the cache when a sound copy is there."""
     check_arch(arch)
+    target = kernel_target(source, arch)
+    if target is None:
+        raise KernelUnavailableError(
+            f"kernel {source.name!r} uses instructions only {', '.join(source.targets)} has; "
+            f"it does not exist for {arch}: use the kernel its wrapper names for other GPUs"
+        )
+    arch = target
     cache = cache if cache is not None else default_cache()
     start = time.perf_counter()
     key = KernelCache.key(source, arch)
@@ -601,7 +640,19 @@ def compile_all(
 ) -> list[KernelReport]:
     """Compile every registered kernel for ``arch``; needs NVRTC only, no GPU or driver."""
     registry = registry if registry is not None else KERNELS
-    return [compile_kernel(source, arch, cache=cache).report for source in registry]
+    return [
+        compile_kernel(source, arch, cache=cache).report
+        if kernel_target(source, arch)
+        else skipped_report(source, arch)
+        for source in registry
+    ]
+
+
+def skipped_report(source: KernelSource, arch: str) -> KernelReport:
+    """The row of a kernel that does not exist for ``arch`` (its `KernelSource.targets`)."""
+    return KernelReport(
+        source.name, arch, 0, "skipped", 0.0, note=f"only for {', '.join(source.targets)}"
+    )
 
 
 def compile_all_kernels(arch: str | None) -> list[KernelReport]:

@@ -10,6 +10,7 @@ from ep.kernels import attention as attention
 from ep.kernels import embed as embed
 from ep.kernels import matmul as matmul
 from ep.kernels import mlp as mlp
+from ep.kernels import mx4f8 as mx4f8
 from ep.kernels import norm as norm
 from ep.kernels import q4p as q4p
 from ep.kernels import rotary as rotary

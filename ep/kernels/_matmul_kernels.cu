@@ -2768,4 +2768,311 @@ __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict
                     (flags & EPK_E8X) != 0, y, x, b, M, N, K, flags);
 }
 
+
+// --- MXFP4 GEMV on the FP8 tensor cores (mx4f8, sm_90a) ------------------------------------------
+//
+// `ep_gemv_mx4f8_bf16` (bf16 activations, decode, M <= 16) reads a weight `ep.kernels.q4p.
+// pack_mx4f8` repacked once and runs its products on Hopper's FP8 tensor cores (wgmma, a
+// warpgroup of 4 warps, A from registers, B from shared memory), which only sm_90a has
+// (mma.sync on e4m3 is emulated on sm_90: it unpacks to f16 first).
+//
+// Weights: an E2M1 code (s, e1 e0, m) placed at bits 7, 4 3, 2 of a byte is the e4m3 value
+// e2m1 x 2^-6 exactly (e = 0 is the subnormal on both sides), so a code needs no arithmetic at
+// all: the packer stores each word so that its two A registers are `w & MASK` and
+// `(rotl(w, 2) ^ rotl(w, 4)) & MASK` (4 instructions for 8 weights, against mx4p's 12). The 2^6
+// goes into the row's output factor.
+//
+// Activations: bf16 has 8 significant bits and e4m3 4, so x = hi + lo with hi = e4m3(x) and lo
+// = e4m3(x - hi), exactly, as long as lo's exponent stays in e4m3's range. Each row of x is first
+// scaled by a power of two, 2^e, that puts its largest magnitude in [128, 256): the split is then
+// exact for the binade of the row's largest and the 9 below it, within 2^-17 of it below. hi and
+// lo are two columns of B (column 2m: row m's hi, 2m + 1: its lo), so one wgmma of N = 8 serves
+// 4 rows, and a lane's accumulator pair (columns 2t, 2t + 1) is one row's hi and lo sum. A row
+// holding inf or NaN gives NaN outputs (the split has no inf).
+//
+// Layout (T = ceil(N / 64) tiles of 64 rows, S = ceil(K / 64) steps of two 32-blocks):
+//   weights  uint4 [T][S][4 warps][32 lanes]: lane (g, t) of warp w, word 2b + j: block b's A
+//            registers 2j (row 16w + g) and 2j + 1 (row 16w + g + 8), byte i of both at k 32b +
+//            16j + 4t + i; register 2j from the word's bits at MASK, 2j + 1 from the rotations;
+//   scales   E8M0 bytes [T][S][4 warps][8 g][4]: block b's scale of row 16w + g + 8h at 2b + h.
+// Rows past N and k past K are zero codes with scale byte 0. A warpgroup owns whole tiles (the
+// four warps step together, as wgmma needs), walked with a ring of D steps a warp in flight.
+// x is staged once a block in shared memory as the B operand of every block: [2K/32 blocks]
+// [2 k halves][NB rows][16 bytes] (K-major, no swizzle: a k half is one 8 x 16-byte core matrix
+// a row group), NB = 8, 16 or 32 for M <= 4, 8 or 16 (one wgmma of N = NB a block).
+//
+// Per step and lane (M <= 4): 1 LDG.128 + 1 LDG.32, 8 LOP3 + 8 SHF, 2 wgmma, 4 FADD + 4 FFMA,
+// and the scale decode (mx4p: 48 decode instructions and 4 HMMA).
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+constexpr int MX4F8_WARPS = 8;  // two warpgroups a block
+constexpr u32 MX4F8_MASK = 0x9C9C9C9Cu;
+
+// A lane's accumulators of one block's wgmma (NB columns: NB / 2 floats).
+template <int NB>
+struct F8Acc {
+  float d[NB / 2];
+};
+
+// D = A x B (scale-d 0) for one 32-block: A from registers, B from the descriptor.
+template <int NB>
+__device__ __forceinline__ void wgmma_f8(F8Acc<NB>& c, const u32 (&a)[4], unsigned long long desc);
+
+template <>
+__device__ __forceinline__ void wgmma_f8<8>(F8Acc<8>& c, const u32 (&a)[4],
+                                            unsigned long long desc) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %9, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, %8, p, 1, 1;\n}"
+      : "=f"(c.d[0]), "=f"(c.d[1]), "=f"(c.d[2]), "=f"(c.d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_f8<16>(F8Acc<16>& c, const u32 (&a)[4],
+                                             unsigned long long desc) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %13, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+      "{%8, %9, %10, %11}, %12, p, 1, 1;\n}"
+      : "=f"(c.d[0]), "=f"(c.d[1]), "=f"(c.d[2]), "=f"(c.d[3]), "=f"(c.d[4]), "=f"(c.d[5]),
+        "=f"(c.d[6]), "=f"(c.d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+}
+
+template <>
+__device__ __forceinline__ void wgmma_f8<32>(F8Acc<32>& c, const u32 (&a)[4],
+                                             unsigned long long desc) {
+  asm volatile(
+      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %21, 0;\n\t"
+      "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}"
+      : "=f"(c.d[0]), "=f"(c.d[1]), "=f"(c.d[2]), "=f"(c.d[3]), "=f"(c.d[4]), "=f"(c.d[5]),
+        "=f"(c.d[6]), "=f"(c.d[7]), "=f"(c.d[8]), "=f"(c.d[9]), "=f"(c.d[10]), "=f"(c.d[11]),
+        "=f"(c.d[12]), "=f"(c.d[13]), "=f"(c.d[14]), "=f"(c.d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+}
+
+// The accumulators are read only after the wait: tie them to it.
+template <int NB>
+__device__ __forceinline__ void wgmma_wait_all(F8Acc<NB>& c0, F8Acc<NB>& c1) {
+  asm volatile("wgmma.commit_group.sync.aligned;\n\twgmma.wait_group.sync.aligned 0;" ::: "memory");
+#pragma unroll
+  for (int i = 0; i < NB / 2; ++i) {
+    asm volatile("" : "+f"(c0.d[i]), "+f"(c1.d[i])::"memory");
+  }
+}
+
+// An encoded word -> A registers (2j, 2j + 1) of its block (the rotations: _MX4F8_ROTATIONS in
+// ep/kernels/q4p.py).
+__device__ __forceinline__ void mx4f8_regs(u32 w, u32& lo, u32& hi) {
+  lo = w & MX4F8_MASK;
+  hi = xor_and<MX4F8_MASK>(rotl(w, 2), rotl(w, 4));
+}
+
+// Eight bf16 of a row of x: one 16-byte load, or four 4-byte ones when x is not 16-byte aligned.
+__device__ __forceinline__ uint4 mx4f8_x8(const __nv_bfloat16* __restrict__ row, int c, bool x16) {
+  if (x16) return __ldg(reinterpret_cast<const uint4*>(row) + c);
+  const u32* w = reinterpret_cast<const u32*>(row) + 4 * c;
+  return make_uint4(__ldg(w), __ldg(w + 1), __ldg(w + 2), __ldg(w + 3));
+}
+
+// Two bf16 (times f) -> their e4m3 hi bytes and lo bytes (hi = e4m3(v), lo = e4m3(v - hi)).
+__device__ __forceinline__ void mx4f8_split2(u32 v, float f, u32& hi, u32& lo) {
+  const float v0 = __uint_as_float(v << 16) * f, v1 = __uint_as_float(v & 0xFFFF0000u) * f;
+  unsigned short h, l;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(v1), "f"(v0));
+  u32 back;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(back) : "h"(h));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&back));
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(l) : "f"(v1 - b.y), "f"(v0 - b.x));
+  hi = h;
+  lo = l;
+}
+
+// x [M, K] -> the B tiles in shared memory (see the layout above) and each row's output factor
+// 2^(6 - e) (NaN for a row holding inf or NaN) in `factor`. Warp w stages rows w, w + 8 (rows
+// M .. NB/2 - 1 are zeros): its lanes read the row 8 elements at a time, take its largest
+// magnitude with shuffles, then read each 8 again (from L1) as 8 hi and 8 lo bytes. No block-wide
+// step until the tiles are complete.
+template <int NB>
+__device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
+                                              const __nv_bfloat16* __restrict__ x, int M, int K,
+                                              int S, bool x16) {
+  const int lane = threadIdx.x & 31;
+  const int chunks = K >> 3, padded = S << 3;  // 8 elements a chunk; K padded to the step
+  for (int m = threadIdx.x >> 5; m < (NB >> 1); m += MX4F8_WARPS) {
+    const __nv_bfloat16* row = x + (size_t)m * K;
+    u32 mx = 0u;  // the largest |x| of the row as bf16 bits, in both halves
+    if (m < M) {
+#pragma unroll 4
+      for (int c = lane; c < chunks; c += 32) {
+        const uint4 v = mx4f8_x8(row, c, x16);
+        mx = __vmaxu2(mx, __vmaxu2(__vmaxu2(v.x & 0x7FFF7FFFu, v.y & 0x7FFF7FFFu),
+                                   __vmaxu2(v.z & 0x7FFF7FFFu, v.w & 0x7FFF7FFFu)));
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) mx = __vmaxu2(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    }
+    const int ex = (int)(max(mx & 0xFFFFu, mx >> 16) >> 7);  // biased exponent (255: inf, NaN)
+    const int e = min(134 - ex, 127);                        // 2^e puts it in [128, 256)
+    const float f = ex == 255 ? 1.0f : __uint_as_float((u32)(e + 127) << 23);
+    if (lane == 0 && m < M)
+      factor[m] = ex == 255 ? __uint_as_float(0x7FC00000u) : __uint_as_float((u32)(133 - e) << 23);
+    for (int c = lane; c < padded; c += 32) {
+      uint2 hi = make_uint2(0u, 0u), lo = make_uint2(0u, 0u);
+      if (m < M && c < chunks) {
+        const uint4 v = mx4f8_x8(row, c, x16);
+        u32 h[4], l[4];
+        mx4f8_split2(v.x, f, h[0], l[0]);
+        mx4f8_split2(v.y, f, h[1], l[1]);
+        mx4f8_split2(v.z, f, h[2], l[2]);
+        mx4f8_split2(v.w, f, h[3], l[3]);
+        hi = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
+        lo = make_uint2(l[0] | (l[1] << 16), l[2] | (l[3] << 16));
+      }
+      const int k = c << 3;  // a chunk is 8 bytes of one k half of one block's tile
+      u8* at = xs + (k >> 5) * (NB * 32) + ((k >> 4) & 1) * (NB * 16) + (k & 15);
+      *reinterpret_cast<uint2*>(at + (2 * m) * 16) = hi;
+      *reinterpret_cast<uint2*>(at + (2 * m + 1) * 16) = lo;
+    }
+  }
+}
+
+// Shared-memory matrix descriptor: K-major, no swizzle; LBO (between the two k halves) and SBO
+// (between row groups of 8) in bytes.
+__device__ __forceinline__ unsigned long long f8_desc(u32 addr, u32 lbo, u32 sbo) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) |
+         ((unsigned long long)(lbo >> 4) << 16) | ((unsigned long long)(sbo >> 4) << 32);
+}
+
+template <int D, int NB, bool XS>
+__device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
+                                          const __nv_bfloat16* __restrict__ x,
+                                          const uint4* __restrict__ wq, const u32* __restrict__ sc,
+                                          u8* xs, int M, int N, int K, int S, u32 flags) {
+  constexpr int NT = NB / 8;  // token groups of 4 a lane holds: rows t + 4j
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const long long wgs = (long long)gridDim.x * (MX4F8_WARPS / 4);
+  const long long wg = (long long)blockIdx.x * (MX4F8_WARPS / 4) + (threadIdx.x >> 7);
+  const long long tiles = ((long long)N + 63) >> 6;
+  const int j0 = (int)(wg * tiles / wgs), j1 = (int)((wg + 1) * tiles / wgs);
+  const int total = (j1 - j0) * S;  // warpgroup-uniform
+  const size_t first = (size_t)j0 * S;
+  wq += (first * 4 + warp) * 32 + lane;
+  sc += (first * 4 + warp) * 8 + g;
+  uint4 rq[D];
+  u32 rs[D];
+  PdlWait ready(flags);
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    rq[d] = zero4();
+    rs[d] = 0u;
+    if (d < total) {
+      rq[d] = ld_stream(wq + (size_t)d * 128);
+      rs[d] = __ldg(sc + (size_t)d * 32);
+    }
+  }
+  ready();
+  float* factor = reinterpret_cast<float*>(xs + 2 * S * NB * 32);
+  mx4f8_stage_x<NB>(xs, factor, x, M, K, S, (flags & EPK_X16) != 0);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
+  __syncthreads();
+  const u32 xa = smem_addr(xs);
+  const unsigned long long desc0 = f8_desc(xa, NB * 16, 128);
+  const unsigned long long dstep = (unsigned long long)((NB * 32) >> 4);  // one block's tile
+  float acc[NT][2];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = 0.0f;
+  int si = 0, cj = j0;
+  // Whole rounds of D steps (the last one padded with zero steps that store nothing): no exit
+  // inside the round, so ptxas keeps the wgmmas of a step in flight together.
+  for (int s0 = 0; s0 < total; s0 += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int idx = s0 + d;
+      const uint4 q = rq[d];
+      const u32 sv = rs[d];
+      rq[d] = zero4();
+      rs[d] = 0u;
+      u32 a0[4], a1[4];
+      mx4f8_regs(q.x, a0[0], a0[1]);
+      mx4f8_regs(q.y, a0[2], a0[3]);
+      mx4f8_regs(q.z, a1[0], a1[1]);
+      mx4f8_regs(q.w, a1[2], a1[3]);
+      F8Acc<NB> c0, c1;
+      const unsigned long long dsc = desc0 + (unsigned long long)(2 * si) * dstep;
+      asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+      wgmma_f8<NB>(c0, a0, dsc);
+      wgmma_f8<NB>(c1, a1, dsc + dstep);
+      if (idx + D < total) {  // the slot is free: refill it with the step D ahead
+        rq[d] = ld_stream(wq + (size_t)(idx + D) * 128);
+        rs[d] = __ldg(sc + (size_t)(idx + D) * 32);
+      }
+      float s[2][2];  // [block][row g | g + 8]
+      if (XS) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) s[i >> 1][i & 1] = e8m0_f32((sv >> (8 * i)) & 0xFFu);
+      } else {
+        s[0][0] = __uint_as_float((sv << 23) & 0x7F800000u);
+        s[0][1] = __uint_as_float((sv << 15) & 0x7F800000u);
+        s[1][0] = __uint_as_float((sv << 7) & 0x7F800000u);
+        s[1][1] = __uint_as_float((sv >> 1) & 0x7F800000u);
+      }
+      wgmma_wait_all<NB>(c0, c1);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          acc[j][h] = fmaf(s[0][h], c0.d[4 * j + 2 * h] + c0.d[4 * j + 2 * h + 1], acc[j][h]);
+          acc[j][h] = fmaf(s[1][h], c1.d[4 * j + 2 * h] + c1.d[4 * j + 2 * h + 1], acc[j][h]);
+        }
+      }
+      if (++si == S) {  // tile cj is complete: rows 64 cj + 16 warp + g (+ 8), x rows t + 4j
+        const int n = (cj << 6) + (warp << 4) + g;  // (cj >= j1: a padding step's, not stored)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const int m = t + 4 * j;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int nn = n + 8 * h;
+            if (cj < j1 && m < M && nn < N)
+              y[(size_t)m * N + nn] = __float2bfloat16_rn(acc[j][h] * factor[m]);
+            acc[j][h] = 0.0f;
+          }
+        }
+        si = 0;
+        ++cj;
+      }
+    }
+  }
+}
+
+// D4, D8, D16: ring steps a warp at M <= 4, 8, 16 (the wider accumulators take registers).
+template <int D4, int D8, int D16>
+__device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
+                                           const __nv_bfloat16* __restrict__ x, const u8* b,
+                                           const u8* scales, int M, int N, int K, u32 flags) {
+  extern __shared__ __align__(128) u8 f8_xs[];
+  const int S = (K + 63) >> 6;
+  const uint4* wq = reinterpret_cast<const uint4*>(b);
+  const u32* sc = reinterpret_cast<const u32*>(scales);
+  const bool xs = (flags & EPK_E8X) != 0;
+  if (M > 8) {
+    if (xs) mx4f8_run<D16, 32, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+    else mx4f8_run<D16, 32, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+  } else if (M > 4) {
+    if (xs) mx4f8_run<D8, 16, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+    else mx4f8_run<D8, 16, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+  } else {
+    if (xs) mx4f8_run<D4, 8, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+    else mx4f8_run<D4, 8, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+
 }  // namespace epk

@@ -64,7 +64,8 @@ kernel                    what and launch geometry
 the MMAs (1.3x the v2 GEMV on the vocabulary projection; its module says what it needs), and
 ``ep_gemv_mx4p_<dt>``: its MXFP4 twin over a weight `ep.kernels.q4p.pack_mx4` repacked (exact
 e2m1 pairs from XOR-encoded words, each block's E8M0 scale applied in fp32 after the MMAs; 1.5x
-the v2 GEMV there).
+the v2 GEMV there). ``ep.kernels.mx4f8`` adds ``ep_gemv_mx4f8_bf16`` (sm_90a only): MXFP4 on the
+FP8 tensor cores through wgmma, the codes as e4m3 bytes and bf16 x as two e4m3 columns (1.7x).
 
 GEMV vs GEMM: ``M <= 16`` (`GEMV_MAX_ROWS`) runs the GEMV, which reads every weight byte once per
 launch for all M rows; larger M runs the GEMM, whose weight traffic is amortised over 64-row

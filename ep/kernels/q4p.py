@@ -224,15 +224,8 @@ def _mx4_dtype(op: str, dtype: object) -> np.dtype:
     return dt
 
 
-def pack_mx4(
-    b: np.ndarray, scales: np.ndarray, *, N: int, K: int, dtype: object
-) -> tuple[np.ndarray, np.ndarray, bool]:
-    """MXFP4 (b uint8 [N, K/32, 16], scales uint8 [N, K/32] E8M0; `ep.ops.matmul`) -> (weights
-    uint8, scales uint8, exact) in the ``ep_gemv_mx4p`` layout for activations of ``dtype``
-    (float16 or bfloat16). ``exact``: some scale is 0 (2^-127) or 255 (NaN), which the kernel then
-    decodes exactly for the whole weight. Rows past N and k past K are zero codes, scale byte 0."""
-    op = "pack_mx4"
-    dt = _mx4_dtype(op, dtype)
+def _block_check(op: str, b: np.ndarray, scales: np.ndarray, N: int, K: int) -> int:
+    """Refuse MXFP4 arrays that do not hold [N, K]; the blocks a row."""
     if K % MXFP4_BLOCK:
         raise ValueError(f"{op}: K={K} must be a multiple of {MXFP4_BLOCK} (the MX block)")
     kb = K // MXFP4_BLOCK
@@ -245,6 +238,19 @@ def pack_mx4(
             f"{op}: scales must be uint8 [N={N}, {kb}] (E8M0 bytes); got {scales.dtype} of "
             f"{scales.size}"
         )
+    return kb
+
+
+def pack_mx4(
+    b: np.ndarray, scales: np.ndarray, *, N: int, K: int, dtype: object
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """MXFP4 (b uint8 [N, K/32, 16], scales uint8 [N, K/32] E8M0; `ep.ops.matmul`) -> (weights
+    uint8, scales uint8, exact) in the ``ep_gemv_mx4p`` layout for activations of ``dtype``
+    (float16 or bfloat16). ``exact``: some scale is 0 (2^-127) or 255 (NaN), which the kernel then
+    decodes exactly for the whole weight. Rows past N and k past K are zero codes, scale byte 0."""
+    op = "pack_mx4"
+    dt = _mx4_dtype(op, dtype)
+    kb = _block_check(op, b, scales, N, K)
     G, S = _groups(N, K)
     q = np.zeros((G * _ROWS, S * _STEP), np.uint8)
     q[:N, :K] = unpack_nibbles(b.reshape(N, K // 2))
@@ -359,10 +365,12 @@ def gemv_q4_packed(
     )  # fmt: skip
 
 
-def _ring(op: str, ring: str | None, env: str) -> tuple[str, int]:
+def _ring(
+    op: str, ring: str | None, env: str, rings: tuple[tuple[int, int], ...] = RINGS
+) -> tuple[str, int]:
     """The ring variant a call runs (its name and blocks an SM): ``ring``, else ``$env``, else
-    the first of `RINGS`."""
-    names = {f"d{d}b{b}": b for d, b in RINGS}
+    the first of ``rings``."""
+    names = {f"d{d}b{b}": b for d, b in rings}
     ring = ring or os.environ.get(env, "").strip() or next(iter(names))
     if ring not in names:
         raise KernelArgumentError(

@@ -20,8 +20,13 @@ from ep.device import (
     cuda_available,
     default_cache,
 )
-from ep.device._kernels import cubin_symbols
-from ep.errors import DeviceUnavailableError, KernelCompileError, KernelRegistryError
+from ep.device._kernels import cubin_symbols, kernel_target
+from ep.errors import (
+    DeviceUnavailableError,
+    KernelCompileError,
+    KernelRegistryError,
+    KernelUnavailableError,
+)
 
 SCALE = KernelSource(
     name="test_scale_f32",
@@ -188,10 +193,34 @@ def test_compile_all_kernels_covers_the_registry() -> None:
     reports = compile_all_kernels("sm_90")
     assert [r.name for r in reports] == KERNELS.names()
     assert {"fill_u8", "fill_u16", "fill_u32", "fill_u64", "axpy_f32"} <= set(KERNELS.names())
-    for report in reports:
-        assert report.arch == "sm_90" and report.cubin_bytes > 0 and report.seconds >= 0
-        assert report.cache in ("hit", "miss")
+    for report in reports:  # sm_90, or sm_90a for a kernel of wgmma (KernelSource.targets)
+        assert report.arch == kernel_target(KERNELS.get(report.name), "sm_90")
+        assert report.cubin_bytes > 0 and report.seconds >= 0 and report.cache in ("hit", "miss")
+    assert "sm_90a" in {r.arch for r in reports}
     assert {r.cache for r in compile_all_kernels("sm_90")} == {"hit"}
+
+
+def test_an_architecture_specific_kernel_exists_for_its_target_only(tmp_path: Path) -> None:
+    """``targets``: compiled for sm_90 as sm_90a (and cached under it), skipped by compile_all
+    elsewhere, refused elsewhere with what exists."""
+    kernel = dataclasses.replace(SCALE, name="test_scale_f32_90a", targets=("sm_90a",))
+    cache = KernelCache(tmp_path)
+    compiled = compile_kernel(kernel, "sm_90", cache=cache)
+    assert (compiled.arch, compiled.report.arch, compiled.report.cache) == (
+        "sm_90a",
+        "sm_90a",
+        "miss",
+    )
+    registry = KernelRegistry()
+    registry.register(kernel)
+    assert [r.cache for r in compile_all("sm_90", registry=registry, cache=cache)] == ["hit"]
+    [skipped] = compile_all("sm_80", registry=registry, cache=cache)
+    assert (skipped.arch, skipped.cache, skipped.note) == ("sm_80", "skipped", "only for sm_90a")
+    with pytest.raises(
+        KernelUnavailableError, match=r"only sm_90a has; it does not exist for sm_100"
+    ):
+        compile_kernel(kernel, "sm_100", cache=cache)
+    assert compile_kernel(SCALE, "sm_90", cache=cache).arch == "sm_90"  # the plain one: as given
 
 
 def test_compile_all_kernels_without_arch_needs_a_gpu() -> None:
