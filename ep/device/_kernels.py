@@ -599,7 +599,7 @@ def compile_kernel(
     if target is None:
         raise KernelUnavailableError(
             f"kernel {source.name!r} uses instructions only {', '.join(source.targets)} has; "
-            f"it does not exist for {arch}: use the kernel its wrapper names for other GPUs"
+            f"it does not exist for {arch}, where its caller needs another kernel"
         )
     arch = target
     cache = cache if cache is not None else default_cache()

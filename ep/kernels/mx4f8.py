@@ -33,11 +33,28 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream, register_kernel
-from ep.errors import KernelArgumentError
+from ep.device import (
+    Buffer,
+    CompileOptions,
+    Device,
+    KernelSource,
+    Stream,
+    kernel_target,
+    register_kernel,
+)
+from ep.errors import KernelArgumentError, KernelUnavailableError
 from ep.kernels import matmul
 from ep.kernels.matmul import _FLAG_EARLY, _buffer, _disjoint, _x16
-from ep.kernels.q4p import _FLAG_E8X, _SIZES, _block_check, _ring, _rotl, _rows_and_dtype
+from ep.kernels.q4p import (
+    _FLAG_E8X,
+    _SIZES,
+    _block_check,
+    _ring,
+    _rotl,
+    _rows_and_dtype,
+    encode_words,
+    gf2_masks,
+)
 from ep.ops.matmul import MXFP4_BLOCK, decode_e8m0
 from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
 
@@ -96,21 +113,7 @@ def _masks() -> np.ndarray:
         at = 8 * (p & 3) + _MASK_BITS[c]
         for rot in _ROTATIONS[p >> 2]:
             decode[4 * p + c, (at - rot) % 32] ^= 1
-    return _gf2_columns(decode)
-
-
-def _gf2_columns(decode: np.ndarray) -> np.ndarray:
-    """The inverse of a 32 x 32 map over GF(2), as uint32 masks [8, 4]: column 4p + c."""
-    aug = np.concatenate([decode, np.eye(32, dtype=np.uint8)], axis=1)
-    for col in range(32):  # Gauss-Jordan
-        pivot = col + int(np.flatnonzero(aug[col:, col])[0])
-        aug[[col, pivot]] = aug[[pivot, col]]
-        for row in np.flatnonzero(aug[:, col]):
-            if row != col:
-                aug[row] ^= aug[col]
-    inverse = aug[:, 32:]  # word bit j = XOR over code bits i of inverse[j, i]
-    weights = (np.uint64(1) << np.arange(32, dtype=np.uint64))[:, None]
-    return (inverse.astype(np.uint64) * weights).sum(axis=0).astype(np.uint32).reshape(8, 4)
+    return gf2_masks(decode)
 
 
 def pack_mx4f8(
@@ -126,11 +129,7 @@ def pack_mx4f8(
     q = np.zeros((T * _ROWS, S * _STEP), np.uint8)
     q[:N, :K] = unpack_nibbles(b.reshape(N, K // 2))
     tiles = q.reshape(T, _ROWS, S, _STEP).transpose(0, 2, 1, 3)  # [T, S, 64 rows, 64 k]
-    codes = tiles[:, :, _ROW, _K]  # [T, S, 4 warps, 32 lanes, 4 words, 8 nibbles]
-    masks = _masks()
-    words = np.zeros(codes.shape[:-1], np.uint32)
-    for p, c in itertools.product(range(8), range(4)):
-        words ^= ((codes[..., p] >> c) & 1).astype(np.uint32) * masks[p, c]
+    words = encode_words(tiles[:, :, _ROW, _K], _masks())  # [T, S, 4 warps, 32 lanes, 4]
     s = np.zeros((T * _ROWS, 2 * S), np.uint8)
     s[:N, :kb] = scales.reshape(N, kb)
     ps = s.reshape(T, 4, 2, 8, S, 2).transpose(0, 4, 1, 3, 5, 2).reshape(-1)
@@ -246,6 +245,12 @@ def gemv_mx4_f8(
             f"{op}: x is {dtype}; the FP8 GEMV takes bfloat16 activations (two e4m3 halves hold "
             "a bf16's 8 significant bits, not fp16's 11): use ep.kernels.q4p.gemv_mx4_packed"
         )
+    name = _name(ring)
+    if dev.arch is not None and kernel_target(MX4F8_KERNELS[name], dev.arch) is None:
+        raise KernelUnavailableError(
+            f"{op}: the FP8 GEMV runs on wgmma, which only sm_90a (H100, H200) has; this GPU is "
+            f"{dev.arch}: use ep.kernels.q4p.gemv_mx4_packed (pack_mx4) there"
+        )
     T, S = _sizes(N, K)
     u8 = np.dtype(np.uint8)
     _buffer(op, dev, "x", x, M * K, dtype)
@@ -256,7 +261,6 @@ def gemv_mx4_f8(
     flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_E8X if w.exact else 0)
     blocks = max(1, min(per_sm * matmul.sm_count(dev), -(-T // (_WARPS // 4))))
     shared = shared_bytes(M, K)
-    name = _name(ring)
     dev.kernel(name).launch(blocks, 32 * _WARPS, out, x, w.weights, w.scales, M, N, K, flags,
                             stream=stream, shared_mem=shared)  # fmt: skip
     return matmul.MatmulPlan(

@@ -50,8 +50,10 @@ __all__ = [
     "RING_ENV",
     "PackedMX4",
     "PackedQ4",
+    "encode_words",
     "gemv_mx4_packed",
     "gemv_q4_packed",
+    "gf2_masks",
     "pack_mx4",
     "pack_q4",
     "unpack_mx4",
@@ -202,8 +204,15 @@ def _mx4_masks(dtype: np.dtype) -> np.ndarray:
         at = _MX4_BITS[dtype][c] + 16 * (p >> 2)
         for rot in _MX4_ROTATIONS[dtype][p & 3]:
             decode[4 * p + c, (at - rot) % 32] ^= 1
+    return gf2_masks(decode)
+
+
+def gf2_masks(decode: np.ndarray) -> np.ndarray:
+    """The inverse over GF(2) of a word decode (uint8 [32 code bits, 32 word bits]: row 4p + c,
+    bit c of nibble p, is the XOR of the word bits set in it), as uint32 masks [8 nibbles, 4
+    bits]: the word bits that bit c of nibble p is XORed into when a word is encoded."""
     aug = np.concatenate([decode, np.eye(32, dtype=np.uint8)], axis=1)
-    for col in range(32):  # Gauss-Jordan over GF(2)
+    for col in range(32):  # Gauss-Jordan
         pivot = col + int(np.flatnonzero(aug[col:, col])[0])
         aug[[col, pivot]] = aug[[pivot, col]]
         for row in np.flatnonzero(aug[:, col]):
@@ -212,6 +221,14 @@ def _mx4_masks(dtype: np.dtype) -> np.ndarray:
     inverse = aug[:, 32:]  # word bit j = XOR over code bits i of inverse[j, i]
     weights = (np.uint64(1) << np.arange(32, dtype=np.uint64))[:, None]
     return (inverse.astype(np.uint64) * weights).sum(axis=0).astype(np.uint32).reshape(8, 4)
+
+
+def encode_words(codes: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """E2M1 codes [..., 8 nibbles] -> uint32 words encoded with `gf2_masks`' masks."""
+    words = np.zeros(codes.shape[:-1], np.uint32)
+    for p, c in itertools.product(range(8), range(4)):
+        words ^= ((codes[..., p] >> c) & 1).astype(np.uint32) * masks[p, c]
+    return words
 
 
 def _mx4_dtype(op: str, dtype: object) -> np.dtype:
@@ -254,11 +271,7 @@ def pack_mx4(
     G, S = _groups(N, K)
     q = np.zeros((G * _ROWS, S * _STEP), np.uint8)
     q[:N, :K] = unpack_nibbles(b.reshape(N, K // 2))
-    codes = _arrange(q, G, S)  # [G, S, 32, 4, 8]
-    masks = _mx4_masks(dt)
-    words = np.zeros(codes.shape[:-1], np.uint32)
-    for p, c in itertools.product(range(8), range(4)):
-        words ^= ((codes[..., p] >> c) & 1).astype(np.uint32) * masks[p, c]
+    words = encode_words(_arrange(q, G, S), _mx4_masks(dt))  # [G, S, 32, 4]
     s = np.zeros((G * _ROWS, 2 * S), np.uint8)
     s[:N, :kb] = scales.reshape(N, kb)
     exact = bool(np.any((scales == 0) | (scales == 255)))

@@ -179,7 +179,7 @@ def test_exact_scales_and_non_finite_rows(
 
 
 def test_gemv_refuses_what_it_cannot_run(
-    cpu_device: Device, rng: np.random.Generator, upload: Upload
+    cpu_device: Device, rng: np.random.Generator, upload: Upload, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     dev, s = cpu_device, cpu_device.default_stream
     b, scales = _weight(rng, 20, 64)
@@ -198,6 +198,9 @@ def test_gemv_refuses_what_it_cannot_run(
         gemv_mx4_f8(dev, x.view(BF16, (20,)), x, w, M=1, stream=s)
     with pytest.raises(KernelArgumentError, match="ring 'd5b1' is not compiled"):
         gemv_mx4_f8(dev, out, x, w, M=1, stream=s, ring="d5b1")
+    monkeypatch.setattr(dev, "arch", "sm_80")  # a GPU without wgmma: refused before any launch
+    with pytest.raises(KernelUnavailableError, match=r"only sm_90a .* this GPU is sm_80: use .*"):
+        gemv_mx4_f8(dev, out, x, w, M=1, stream=s)
 
 
 def test_the_kernel_exists_for_sm_90a_only() -> None:
