@@ -158,16 +158,26 @@ __device__ __forceinline__ u32 pk_mul<__half>(u32 a, u32 b) {
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
   return r;
 }
+// bf16x2 add, sub and mul are sm_90 instructions; before it the same single rounding is an FMA:
+// a - b = fma(b, -1, a), a * b = fma(a, b, -0) (-0 keeps the sign of a zero product).
 template <>
 __device__ __forceinline__ u32 pk_sub<__nv_bfloat16>(u32 a, u32 b) {
   u32 r;
+#if __CUDA_ARCH__ >= 900
   asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(b), "r"(0xBF80BF80u), "r"(a));
+#endif
   return r;
 }
 template <>
 __device__ __forceinline__ u32 pk_mul<__nv_bfloat16>(u32 a, u32 b) {
   u32 r;
+#if __CUDA_ARCH__ >= 900
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+#else
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(0x80008000u));
+#endif
   return r;
 }
 
