@@ -44,9 +44,7 @@ from ep.device import (
 )
 from ep.errors import KernelArgumentError, KernelUnavailableError
 from ep.kernels import matmul
-from ep.kernels.matmul import _FLAG_EARLY, _buffer, _disjoint, _x16
 from ep.kernels.q4p import (
-    _FLAG_E8X,
     _SIZES,
     _block_check,
     _ring,
@@ -54,6 +52,7 @@ from ep.kernels.q4p import (
     _rows_and_dtype,
     encode_words,
     gf2_masks,
+    mx4_arguments,
 )
 from ep.ops.matmul import MXFP4_BLOCK, decode_e8m0
 from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
@@ -252,13 +251,11 @@ def gemv_mx4_f8(
             f"{dev.arch}: use ep.kernels.q4p.gemv_mx4_packed (pack_mx4) there"
         )
     T, S = _sizes(N, K)
-    u8 = np.dtype(np.uint8)
-    _buffer(op, dev, "x", x, M * K, dtype)
-    _buffer(op, dev, "weights", w.weights, T * S * 2048, u8)
-    _buffer(op, dev, "scales", w.scales, T * S * 128, u8)
-    _buffer(op, dev, "out", out, M * N, dtype)
-    _disjoint(op, out, {"x": x, "weights": w.weights, "scales": w.scales})
-    flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_E8X if w.exact else 0)
+    sizes = (T * S * 2048, T * S * 128)
+    flags = mx4_arguments(
+        op, dev, out, x, w.weights, w.scales, M=M, N=N, K=K, sizes=sizes, resident=resident,
+        exact=w.exact,
+    )  # fmt: skip
     blocks = max(1, min(per_sm * matmul.sm_count(dev), -(-T // (_WARPS // 4))))
     shared = shared_bytes(M, K)
     dev.kernel(name).launch(blocks, 32 * _WARPS, out, x, w.weights, w.scales, M, N, K, flags,

@@ -54,6 +54,7 @@ __all__ = [
     "gemv_mx4_packed",
     "gemv_q4_packed",
     "gf2_masks",
+    "mx4_arguments",
     "pack_mx4",
     "pack_q4",
     "unpack_mx4",
@@ -486,17 +487,30 @@ def gemv_mx4_packed(
             f"depends on them); pack it again with pack_mx4(..., dtype={dtype.name})"
         )
     G, S = _groups(N, K)
-    u8 = np.dtype(np.uint8)
-    _buffer(op, dev, "x", x, M * K, dtype)
-    _buffer(op, dev, "weights", w.weights, G * S * 512, u8)
-    _buffer(op, dev, "scales", w.scales, G * S * 32, u8)
-    _buffer(op, dev, "out", out, M * N, dtype)
-    _disjoint(op, out, {"x": x, "weights": w.weights, "scales": w.scales})
-    flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_E8X if w.exact else 0)
+    sizes = (G * S * 512, G * S * 32)
+    flags = mx4_arguments(
+        op, dev, out, x, w.weights, w.scales, M=M, N=N, K=K, sizes=sizes, resident=resident,
+        exact=w.exact,
+    )  # fmt: skip
     return _launch(
         dev, "mx4p", "packed MXFP4 GEMV", ring, per_sm, [out, x, w.weights, w.scales],
         M=M, N=N, K=K, flags=flags, stream=stream,
     )  # fmt: skip
+
+
+def mx4_arguments(
+    op: str, dev: Device, out: Buffer, x: Buffer, weights: Buffer, scales: Buffer, *, M: int,
+    N: int, K: int, sizes: tuple[int, int], resident: bool, exact: bool,
+) -> int:  # fmt: skip
+    """Check an MXFP4 GEMV's buffers (``sizes``: the bytes its layout needs of weights and
+    scales; x and out of M rows in x's dtype, out apart from the rest); its launch flags."""
+    u8 = np.dtype(np.uint8)
+    _buffer(op, dev, "x", x, M * K, x.dtype)
+    _buffer(op, dev, "weights", weights, sizes[0], u8)
+    _buffer(op, dev, "scales", scales, sizes[1], u8)
+    _buffer(op, dev, "out", out, M * N, x.dtype)
+    _disjoint(op, out, {"x": x, "weights": weights, "scales": scales})
+    return _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_E8X if exact else 0)
 
 
 def _twin(
