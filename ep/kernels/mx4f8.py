@@ -65,7 +65,9 @@ __all__ = [
     "gemv_mx4_f8",
     "pack_mx4f8",
     "split_x",
+    "tile_blocks",
     "unpack_mx4f8",
+    "untile_blocks",
     "upload_mx4f8",
 ]
 
@@ -103,6 +105,17 @@ def _sizes(n: int, k: int) -> tuple[int, int]:
     return -(-n // _ROWS), -(-k // _STEP)
 
 
+def tile_blocks(v: np.ndarray, T: int, S: int) -> np.ndarray:
+    """Per-block values [64 T, 2 S] -> the kernels' order [T, S, 4 warps, 8 g, 4]: block b of row
+    16w + g + 8h at 2b + h."""
+    return v.reshape(T, 4, 2, 8, S, 2).transpose(0, 4, 1, 3, 5, 2)
+
+
+def untile_blocks(flat: np.ndarray, T: int, S: int) -> np.ndarray:
+    """`tile_blocks`' inverse: [T, S, 4, 8, 4] (flat) -> [64 T, 2 S]."""
+    return flat.reshape(T, S, 4, 8, 2, 2).transpose(0, 2, 5, 3, 1, 4).reshape(T * _ROWS, 2 * S)
+
+
 @functools.cache
 def _masks() -> np.ndarray:
     """uint32 [8 nibbles, 4 bits]: the word bits that bit c of nibble p is XORed into (the
@@ -131,7 +144,7 @@ def pack_mx4f8(
     words = encode_words(tiles[:, :, _ROW, _K], _masks())  # [T, S, 4 warps, 32 lanes, 4]
     s = np.zeros((T * _ROWS, 2 * S), np.uint8)
     s[:N, :kb] = scales.reshape(N, kb)
-    ps = s.reshape(T, 4, 2, 8, S, 2).transpose(0, 4, 1, 3, 5, 2).reshape(-1)
+    ps = tile_blocks(s, T, S).reshape(-1)
     exact = bool(np.any((scales == 0) | (scales == 255)))
     return words.reshape(-1).view(np.uint8), ps, exact
 
@@ -153,9 +166,9 @@ def unpack_mx4f8(packed: np.ndarray, scales: np.ndarray, *, N: int, K: int) -> n
     tiles = np.zeros((T, S, _ROWS, _STEP), np.float32)
     tiles[:, :, _ROW, _K] = values
     w = tiles.transpose(0, 2, 1, 3).reshape(T * _ROWS, S * 2, MXFP4_BLOCK)
-    sb = scales[: T * S * 256].reshape(T, S, 4, 8, 2, 2).transpose(0, 2, 5, 3, 1, 4)
+    sb = untile_blocks(scales[: T * S * 128], T, S)
     with np.errstate(over="ignore"):  # e2m1 x 2^127 overflows to inf, as in the reference
-        w = w * decode_e8m0(sb.reshape(T * _ROWS, 2 * S))[..., None]
+        w = w * decode_e8m0(sb)[..., None]
     return w.reshape(T * _ROWS, S * _STEP)[:N, :K]
 
 
