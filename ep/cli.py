@@ -414,10 +414,10 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     table = Table(title=f"genai-ep kernels ({len(rows)})")
-    for col in ("kernel", "arch", "cubin bytes", "cache", "seconds"):
+    for col in ("kernel", "arch", "cubin bytes", "cache", "seconds", "note"):
         table.add_column(col)
-    for r in rows:
-        table.add_row(r.name, r.arch, str(r.cubin_bytes), r.cache, f"{r.seconds:.2f}")
+    for r in rows:  # note: why a kernel was skipped or recompiled
+        table.add_row(r.name, r.arch, str(r.cubin_bytes), r.cache, f"{r.seconds:.2f}", r.note)
     Console(width=140).print(table)
     return 0
 

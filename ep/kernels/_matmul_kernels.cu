@@ -2781,7 +2781,7 @@ __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict
 
 // --- MXFP4 GEMV on the FP8 tensor cores (mx4f8, sm_90a) ------------------------------------------
 //
-// `ep_gemv_mx4f8_bf16` (bf16 activations, decode, M <= 16) reads a weight `ep.kernels.q4p.
+// `ep_gemv_mx4f8_bf16` (bf16 activations, decode, M <= 16) reads a weight `ep.kernels.mx4f8.
 // pack_mx4f8` repacked once and runs its products on Hopper's FP8 tensor cores (wgmma, a
 // warpgroup of 4 warps, A from registers, B from shared memory), which only sm_90a has
 // (mma.sync on e4m3 is emulated on sm_90: it unpacks to f16 first).
@@ -2807,12 +2807,13 @@ __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict
 //   scales   E8M0 bytes [T][S][4 warps][8 g][4]: block b's scale of row 16w + g + 8h at 2b + h.
 // Rows past N and k past K are zero codes with scale byte 0. A warpgroup owns whole tiles (the
 // four warps step together, as wgmma needs), walked with a ring of D steps a warp in flight.
-// x is staged once a block in shared memory as the B operand of every block: [2K/32 blocks]
+// x is staged once a block in shared memory as the B operand of every block: [2S blocks]
 // [2 k halves][NB rows][16 bytes] (K-major, no swizzle: a k half is one 8 x 16-byte core matrix
 // a row group), NB = 8, 16 or 32 for M <= 4, 8 or 16 (one wgmma of N = NB a block).
 //
 // Per step and lane (M <= 4): 1 LDG.128 + 1 LDG.32, 8 LOP3 + 8 SHF, 2 wgmma, 4 FADD + 4 FFMA,
-// and the scale decode (mx4p: 48 decode instructions and 4 HMMA).
+// and the scale decode (mx4p: 48 decode instructions and 4 HMMA). On the H200 that alone did not
+// make it faster than mx4p; deeper rings did (bytes in flight: ep/kernels/mx4f8.py, RINGS).
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
