@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -47,6 +46,7 @@ from ep.kernels import matmul
 from ep.kernels.q4p import (
     _SIZES,
     _block_check,
+    _name,
     _ring,
     _rotl,
     _rows_and_dtype,
@@ -78,7 +78,8 @@ _ROTATIONS = ((0,), (2, 4))  # register 2j: w & MASK; 2j + 1: (rotl(w, 2) ^ rotl
 _FIX = np.float32(2.0**6)  # an e4m3 byte of an E2M1 code is e2m1 x 2^-6
 # Ring variants, as `ep.kernels.q4p.RINGS`: (steps a warp in flight at M <= 4, blocks an SM);
 # _WIDER: the steps at M <= 8 and M <= 16 (wider accumulators, fewer registers for the ring).
-# The default is d8b3 at M <= 4 and d12b2 above (`_default_ring`). H200, 896 x 151936, µs at
+# The default is d8b3 at M <= 4 and d12b2 above (at M <= 8 it keeps 10 steps and at M <= 16 8,
+# where d8b3's wider accumulators leave its ring 4 and 2). H200, 896 x 151936, µs at
 # M = 1 / 4 / 16 in one run (docs/benchmarks/h200.md): d8b3 22.10 / 22.52 / 33.12, d12b2 22.83
 # / 23.16 / 30.98, d8b2 22.78 / 23.04 / 32.29, d6b2 25.14 / 25.41 / 34.19 (mx4p 24.93 / 26.27
 # / 31.95).
@@ -247,9 +248,10 @@ def gemv_mx4_f8(
     """``out[M, N] = x[M, K] @ dequantize_mxfp4(W)^T`` for a `PackedMX4F8` weight on the FP8
     tensor cores (bf16 activations, M <= 16; sm_90a, or the NumPy twin on the CPU device), x
     split as `split_x` says. ``resident`` and ``ring`` as `ep.kernels.q4p.gemv_q4_packed`
-    (default ring: `_default_ring`)."""
+    (default ring `RING_ENV`, else d8b3 at M <= 4 and d12b2 above: `RINGS`)."""
     op = "gemv_mx4_f8"
-    ring, per_sm = _ring(op, ring or _default_ring(M), RING_ENV, RINGS)
+    default = "d8b3" if M <= 4 else "d12b2"  # RINGS: the comment above
+    ring, per_sm = _ring(op, ring, RING_ENV, RINGS, default)
     N, K = w.N, w.K
     dtype = _rows_and_dtype(op, M, x)
     if dtype != matmul._BF16:
@@ -257,7 +259,7 @@ def gemv_mx4_f8(
             f"{op}: x is {dtype}; the FP8 GEMV takes bfloat16 activations (two e4m3 halves hold "
             "a bf16's 8 significant bits, not fp16's 11): use ep.kernels.q4p.gemv_mx4_packed"
         )
-    name = _name(ring)
+    name = _name("mx4f8", ring, "bf16", RINGS)
     if dev.arch is not None and kernel_target(MX4F8_KERNELS[name], dev.arch) is None:
         raise KernelUnavailableError(
             f"{op}: the FP8 GEMV runs on wgmma, which only sm_90a (H100, H200) has; this GPU is "
@@ -292,23 +294,11 @@ def _twin(
         y[: m * n] = (xs @ w.T).astype(y.dtype).reshape(-1)
 
 
-def _default_ring(M: int) -> str | None:
-    """The ring a call of M rows runs unless ``ring=`` names one: `RING_ENV`, else d8b3 (three
-    blocks an SM, 8 steps) at M <= 4 and d12b2 above (M <= 8 keeps 10 steps and M <= 16 8 there,
-    where d8b3's wider accumulators leave its ring 4 and 2)."""
-    return os.environ.get(RING_ENV, "").strip() or ("d8b3" if M <= 4 else "d12b2")
-
-
-def _name(ring: str) -> str:
-    default = f"d{RINGS[0][0]}b{RINGS[0][1]}"
-    return "ep_gemv_mx4f8_bf16" if ring == default else f"ep_gemv_mx4f8_{ring}_bf16"
-
-
 def _register() -> dict[str, KernelSource]:
     body = matmul._cuda_source()
     out: dict[str, KernelSource] = {}
     for depth, per_sm in RINGS:
-        name = _name(f"d{depth}b{per_sm}")
+        name = _name("mx4f8", f"d{depth}b{per_sm}", "bf16", RINGS)
         d8, d16 = _WIDER[depth, per_sm]
         entry = (
             f'extern "C" __global__ void __launch_bounds__({32 * _WARPS}, {per_sm}) {name}('

@@ -380,12 +380,16 @@ def gemv_q4_packed(
 
 
 def _ring(
-    op: str, ring: str | None, env: str, rings: tuple[tuple[int, int], ...] = RINGS
+    op: str,
+    ring: str | None,
+    env: str,
+    rings: tuple[tuple[int, int], ...] = RINGS,
+    default: str | None = None,
 ) -> tuple[str, int]:
     """The ring variant a call runs (its name and blocks an SM): ``ring``, else ``$env``, else
-    the first of ``rings``."""
+    ``default``, else the first of ``rings``."""
     names = {f"d{d}b{b}": b for d, b in rings}
-    ring = ring or os.environ.get(env, "").strip() or next(iter(names))
+    ring = ring or os.environ.get(env, "").strip() or default or next(iter(names))
     if ring not in names:
         raise KernelArgumentError(
             f"{op}: ring {ring!r} is not compiled; expected one of {', '.join(names)} "
@@ -535,10 +539,10 @@ def _twin_mx4(
     y[: m * n] = _product(x[: m * k].reshape(m, k), w.T, True).reshape(-1)
 
 
-def _name(family: str, ring: str, suffix: str) -> str:
-    """The default ring's kernel is ``ep_gemv_<family>_<dt>``; the others
+def _name(family: str, ring: str, suffix: str, rings: tuple[tuple[int, int], ...] = RINGS) -> str:
+    """The first ring's kernel is ``ep_gemv_<family>_<dt>``; the others
     ``ep_gemv_<family>_<ring>_<dt>``."""
-    default = f"d{RINGS[0][0]}b{RINGS[0][1]}"
+    default = f"d{rings[0][0]}b{rings[0][1]}"
     return f"ep_gemv_{family}_{suffix}" if ring == default else f"ep_gemv_{family}_{ring}_{suffix}"
 
 
