@@ -19,6 +19,7 @@ from ep.device import Buffer, Device, KernelRegistry, compile_all, compile_kerne
 from ep.errors import KernelArgumentError, KernelRegistryError, KernelUnavailableError
 from ep.kernels.mx4f8 import (
     MX4F8_KERNELS,
+    RINGS,
     PackedMX4F8,
     gemv_mx4_f8,
     pack_mx4f8,
@@ -201,6 +202,27 @@ def test_gemv_refuses_what_it_cannot_run(
     monkeypatch.setattr(dev, "arch", "sm_80")  # a GPU without wgmma: refused before any launch
     with pytest.raises(KernelUnavailableError, match=r"only sm_90a .* this GPU is sm_80: use .*"):
         gemv_mx4_f8(dev, out, x, w, M=1, stream=s)
+
+
+@pytest.mark.parametrize("ring", [f"d{d}b{b}" for d, b in RINGS])
+def test_every_ring_variant_gives_the_bits_of_the_default(
+    f8_device: Device, rng: np.random.Generator, upload: Upload, ring: str
+) -> None:
+    """A ring changes only how far ahead a warp loads and how many blocks share an SM: every
+    one, at every accumulator width (M = 1, 6, 13), stores the default's bits."""
+    dev, s = f8_device, f8_device.default_stream
+    N, K = 300, 896
+    b, scales = quantize_mxfp4(rng.standard_normal((N, K)).astype(np.float32))
+    w = upload_mx4f8(dev, b, scales, N=N, K=K, stream=s)
+    for M in (1, 6, 13):
+        x = upload(dev, rng.standard_normal((M, K)).astype(BF16))
+        ref, got = (dev.alloc((M, N), BF16, stream=s) for _ in range(2))
+        gemv_mx4_f8(dev, ref, x, w, M=M, stream=s)
+        plan = gemv_mx4_f8(dev, got, x, w, M=M, stream=s, ring=ring)
+        assert plan.kernel in (f"ep_gemv_mx4f8_{ring}_bf16", "ep_gemv_mx4f8_bf16")
+        np.testing.assert_array_equal(
+            got.to_host(stream=s).view(np.uint16), ref.to_host(stream=s).view(np.uint16)
+        )
 
 
 def test_the_kernel_exists_for_sm_90a_only() -> None:
