@@ -2959,11 +2959,32 @@ __device__ __forceinline__ unsigned long long f8_desc(u32 addr, u32 lbo, u32 sbo
          ((unsigned long long)(lbo >> 4) << 16) | ((unsigned long long)(sbo >> 4) << 32);
 }
 
+// tools/trace_mx4f8.py compiles the kernel with EPK_TRACE: each warpgroup records the global
+// timer at its start, after the PDL wait, after staging x and at its end, then its SM clock at
+// start and end, its SM and its steps (8 u64 a warpgroup in `trace`). Without it, nothing.
+#ifdef EPK_TRACE
+__device__ __forceinline__ unsigned long long f8_gtime() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ u32 f8_smid() {
+  u32 sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}
+#define F8_TRACE(i, v) \
+  if (trace != nullptr && (threadIdx.x & 127) == 0) trace[wg * 8 + (i)] = (unsigned long long)(v)
+#else
+#define F8_TRACE(i, v) ((void)0)
+#endif
+
 template <int D, int NB, bool XS>
 __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
                                           const __nv_bfloat16* __restrict__ x,
                                           const uint4* __restrict__ wq, const u32* __restrict__ sc,
-                                          u8* xs, int M, int N, int K, int S, u32 flags) {
+                                          u8* xs, int M, int N, int K, int S, u32 flags,
+                                          unsigned long long* trace) {
   constexpr int NT = NB / 8;  // token groups of 4 a lane holds: rows t + 4j
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
@@ -2973,6 +2994,8 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
   const int j0 = (int)(wg * tiles / wgs), j1 = (int)((wg + 1) * tiles / wgs);
   const int total = (j1 - j0) * S;  // warpgroup-uniform
   const size_t first = (size_t)j0 * S;
+  F8_TRACE(0, f8_gtime());
+  F8_TRACE(4, clock64());
   wq += (first * 4 + warp) * 32 + lane;
   sc += (first * 4 + warp) * 8 + g;
   uint4 rq[D];
@@ -2988,10 +3011,12 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
     }
   }
   ready();
+  F8_TRACE(1, f8_gtime());
   float* factor = reinterpret_cast<float*>(xs + 2 * S * NB * 32);
   mx4f8_stage_x<NB>(xs, factor, x, M, K, S, (flags & EPK_X16) != 0);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
   __syncthreads();
+  F8_TRACE(2, f8_gtime());
   const u32 xa = smem_addr(xs);
   const unsigned long long desc0 = f8_desc(xa, NB * 16, 128);
   const unsigned long long dstep = (unsigned long long)((NB * 32) >> 4);  // one block's tile
@@ -3060,27 +3085,33 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
       }
     }
   }
+  F8_TRACE(3, f8_gtime());
+  F8_TRACE(5, clock64());
+  F8_TRACE(6, f8_smid());
+  F8_TRACE(7, total);
 }
+#undef F8_TRACE
 
 // D4, D8, D16: ring steps a warp at M <= 4, 8, 16 (the wider accumulators take registers).
 template <int D4, int D8, int D16>
 __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
                                            const __nv_bfloat16* __restrict__ x, const u8* b,
-                                           const u8* scales, int M, int N, int K, u32 flags) {
+                                           const u8* scales, int M, int N, int K, u32 flags,
+                                           unsigned long long* trace = nullptr) {
   extern __shared__ __align__(128) u8 f8_xs[];
   const int S = (K + 63) >> 6;
   const uint4* wq = reinterpret_cast<const uint4*>(b);
   const u32* sc = reinterpret_cast<const u32*>(scales);
   const bool xs = (flags & EPK_E8X) != 0;
   if (M > 8) {
-    if (xs) mx4f8_run<D16, 32, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
-    else mx4f8_run<D16, 32, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+    if (xs) mx4f8_run<D16, 32, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    else mx4f8_run<D16, 32, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
   } else if (M > 4) {
-    if (xs) mx4f8_run<D8, 16, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
-    else mx4f8_run<D8, 16, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+    if (xs) mx4f8_run<D8, 16, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    else mx4f8_run<D8, 16, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
   } else {
-    if (xs) mx4f8_run<D4, 8, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
-    else mx4f8_run<D4, 8, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags);
+    if (xs) mx4f8_run<D4, 8, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    else mx4f8_run<D4, 8, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
   }
 }
 
