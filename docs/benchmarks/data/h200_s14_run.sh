@@ -22,9 +22,9 @@ for stage in $stages; do
       ${TESTS:-tests/kernels/test_mx4f8_kernels.py tests/device/test_kernel_cache.py} > "$out/tests.log" 2>&1
     tail -1 "$out/tests.log" ;;
   trace)
-    for spec in "1 d8b3" "1 d12b2" "16 d12b2"; do
-      set -- $spec
-      timeout 90 python3 tools/trace_mx4f8.py --rows "$1" --ring "$2" --launches 16 --out "$out" 2>&1 |
+    for spec in ${TRACES:-1:d8b3 1:d12b2 16:d12b2}; do  # rows:ring
+      timeout 90 python3 tools/trace_mx4f8.py --rows "${spec%%:*}" --ring "${spec#*:}" --launches 16 \
+        --out "$out" 2>&1 |
         tee -a "$out/trace.log" | grep -v "^launch \([1-9]\|1[0-4]\):"
     done ;;
   bench)
