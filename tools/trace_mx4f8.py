@@ -49,7 +49,7 @@ def trace_source(ring: str) -> KernelSource:
     d8, d16 = mx4f8._WIDER[depth, per_sm]
     name = f"ep_gemv_mx4f8_trace_{ring}_bf16"
     entry = (
-        f'extern "C" __global__ void __launch_bounds__(256, {per_sm}) {name}('
+        f'extern "C" __global__ void __launch_bounds__({32 * mx4f8._WARPS}, {per_sm}) {name}('
         "T* y, const T* x, const u8* b, const u8* scales, int M, int N, int K, u32 flags, "
         "unsigned long long* trace) {\n"
         f"  epk::mx4f8_gemv<{depth}, {d8}, {d16}>(y, x, b, scales, M, N, K, flags, trace);\n}}\n"
@@ -147,20 +147,19 @@ def main() -> int:
     pool = [mx4f8.upload_mx4f8(dev, b, sc, N=N, K=K, stream=s, name=f"w{i}") for i in range(4)]
     x = dev.to_device(rng.standard_normal((M, K)).astype(BF16), stream=s, name="x")
     out = dev.alloc((M, N), BF16, stream=s, name="y")
-    T, S = mx4f8._sizes(N, K)
-    per_sm = int(args.ring.split("b")[1])
-    blocks = max(1, min(per_sm * matmul.sm_count(dev), -(-T // 2)))
-    wgs = 2 * blocks
+    T, S, blocks, sizes = mx4f8.launch_shape(dev, N, K, int(args.ring.split("b")[1]))
+    threads = 32 * mx4f8._WARPS
+    wgs = blocks * threads // 128
     trace = dev.alloc((L, wgs, 8), np.dtype(np.uint64), stream=s, name="trace")
     flags = mx4f8.mx4_arguments(
-        "trace", dev, out, x, pool[0].weights, pool[0].scales, M=M, N=N, K=K,
-        sizes=(T * S * 2048, T * S * 128), resident=True, exact=False,
+        "trace", dev, out, x, pool[0].weights, pool[0].scales, M=M, N=N, K=K, sizes=sizes,
+        resident=True, exact=False,
     )  # fmt: skip
     shared = mx4f8.shared_bytes(M, K)
     with dev.capture(stream=s) as cap:
         for i in range(L):
             w, rec = pool[i % len(pool)], trace.view(shape=(wgs, 8), offset=i * wgs * 64)
-            kernel.launch(blocks, 256, out, x, w.weights, w.scales, M, N, K, flags, rec,
+            kernel.launch(blocks, threads, out, x, w.weights, w.scales, M, N, K, flags, rec,
                           stream=s, shared_mem=shared)  # fmt: skip
     start, end = dev.create_event(timing=True), dev.create_event(timing=True)
     per_launch = []

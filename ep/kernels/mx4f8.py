@@ -63,6 +63,7 @@ __all__ = [
     "RING_ENV",
     "PackedMX4F8",
     "gemv_mx4_f8",
+    "launch_shape",
     "pack_mx4f8",
     "split_x",
     "tile_blocks",
@@ -227,6 +228,14 @@ def upload_mx4f8(
     )
 
 
+def launch_shape(dev: Device, N: int, K: int, per_sm: int) -> tuple[int, int, int, tuple[int, int]]:
+    """(tiles T, steps a tile S, persistent blocks, (weight bytes, scale bytes)) of a launch
+    whose ring puts ``per_sm`` blocks on an SM."""
+    T, S = _sizes(N, K)
+    blocks = max(1, min(per_sm * matmul.sm_count(dev), -(-T // (_WARPS // 4))))
+    return T, S, blocks, (T * S * 2048, T * S * 128)
+
+
 def shared_bytes(M: int, K: int) -> int:
     """Dynamic shared memory of a block: x's B tiles (N = 8, 16 or 32 columns: M <= 4, 8, 16),
     then 16 row factors."""
@@ -265,13 +274,11 @@ def gemv_mx4_f8(
             f"{op}: the FP8 GEMV runs on wgmma, which only sm_90a (H100, H200) has; this GPU is "
             f"{dev.arch}: use ep.kernels.q4p.gemv_mx4_packed (pack_mx4) there"
         )
-    T, S = _sizes(N, K)
-    sizes = (T * S * 2048, T * S * 128)
+    T, S, blocks, sizes = launch_shape(dev, N, K, per_sm)
     flags = mx4_arguments(
         op, dev, out, x, w.weights, w.scales, M=M, N=N, K=K, sizes=sizes, resident=resident,
         exact=w.exact,
     )  # fmt: skip
-    blocks = max(1, min(per_sm * matmul.sm_count(dev), -(-T // (_WARPS // 4))))
     shared = shared_bytes(M, K)
     dev.kernel(name).launch(blocks, 32 * _WARPS, out, x, w.weights, w.scales, M, N, K, flags,
                             stream=stream, shared_mem=shared)  # fmt: skip
