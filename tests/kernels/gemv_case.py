@@ -59,3 +59,19 @@ class GemvCase:
         if self.fmt.startswith("q4"):
             return gemm_nbits(dev, out, x, *self.weights, block_size=32, **common)
         return gemm_mxfp4(dev, out, x, *self.weights, **common)
+
+
+def check_exact_scales(
+    got: np.ndarray, x: np.ndarray, b: np.ndarray, scales: np.ndarray, bound: float, *, tiny: bool
+) -> None:
+    """An MXFP4 GEMV's output ``got`` [M, N] for weights whose E8M0 scales hold 255 at column 7
+    (NaN: that column is NaN, no other) and 0 across column 9: the other columns within
+    ``bound`` of the float64 product, and with ``tiny`` column 9 the tiny product, not 0."""
+    assert np.isnan(got[:, 7]).all() and not np.isnan(np.delete(got, 7, axis=1)).any()
+    want = x.astype(np.float64) @ dequantize_mxfp4(b, scales).astype(np.float64).T
+    keep = np.arange(got.shape[1]) != 7
+    err = np.abs(got[:, keep] - want[:, keep]).max() / np.abs(want[:, keep]).max()
+    assert err < bound
+    if tiny:
+        small = np.abs(got[:, 9] - want[:, 9]).max() / np.abs(want[:, 9]).max()
+        assert np.abs(got[:, 9]).max() > 0 and small < 2 * bound, small
