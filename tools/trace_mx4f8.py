@@ -9,6 +9,12 @@ PDL wait, the staging, the loop and the ends, and the gap to the previous launch
 ``--out DIR`` also writes the raw records (``trace_<ring>_m<M>.npz``: int64 [L, warpgroups, 8]);
 ``--records FILE`` summarises such a file again, without a GPU.
 
+The timestamps change the code ptxas schedules: the traced M <= 8 loop sinks its ring refills to
+the end of a round (nvdisasm), as the untraced kernel did before its refills became volatile
+predicated loads, so its loop times there describe that older schedule (about 1 µs slower than
+the production kernel's launch; docs/benchmarks/h200.md, fifteenth session). The starts, waits,
+staging and start-order effects it shows hold for both.
+
     python3 tools/trace_mx4f8.py [--rows 1] [--ring d8b3] [--launches 8] [--out DIR]
     python3 tools/trace_mx4f8.py --records docs/benchmarks/data/h200_s14_trace_d8b3_m1.npz
 """
@@ -47,12 +53,14 @@ def trace_source(ring: str) -> KernelSource:
     """The ``ring`` variant compiled with EPK_TRACE (a trace pointer as its last argument)."""
     depth, per_sm = (int(v) for v in ring[1:].split("b"))
     d8, d16 = mx4f8._WIDER[depth, per_sm]
+    warps = mx4f8.block_warps(per_sm)
     name = f"ep_gemv_mx4f8_trace_{ring}_bf16"
     entry = (
-        f'extern "C" __global__ void __launch_bounds__({32 * mx4f8._WARPS}, {per_sm}) {name}('
+        f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
         "T* y, const T* x, const u8* b, const u8* scales, int M, int N, int K, u32 flags, "
         "unsigned long long* trace) {\n"
-        f"  epk::mx4f8_gemv<{depth}, {d8}, {d16}>(y, x, b, scales, M, N, K, flags, trace);\n}}\n"
+        f"  epk::mx4f8_gemv<{depth}, {d8}, {d16}, {warps}>(y, x, b, scales, M, N, K, flags, "
+        "trace);\n}\n"
     )
     return KernelSource(
         name=name,
@@ -147,9 +155,10 @@ def main() -> int:
     pool = [mx4f8.upload_mx4f8(dev, b, sc, N=N, K=K, stream=s, name=f"w{i}") for i in range(4)]
     x = dev.to_device(rng.standard_normal((M, K)).astype(BF16), stream=s, name="x")
     out = dev.alloc((M, N), BF16, stream=s, name="y")
-    T, S, blocks, sizes = mx4f8.launch_shape(dev, N, K, int(args.ring.split("b")[1]))
-    threads = 32 * mx4f8._WARPS
-    wgs = blocks * threads // 128
+    per_sm = int(args.ring.split("b")[1])
+    T, S, blocks, sizes = mx4f8.launch_shape(dev, N, K, per_sm)
+    groups = mx4f8.block_warps(per_sm) // 4  # warpgroups a block
+    wgs = groups * blocks
     trace = dev.alloc((L, wgs, 8), np.dtype(np.uint64), stream=s, name="trace")
     flags = mx4f8.mx4_arguments(
         "trace", dev, out, x, pool[0].weights, pool[0].scales, M=M, N=N, K=K, sizes=sizes,
@@ -159,7 +168,7 @@ def main() -> int:
     with dev.capture(stream=s) as cap:
         for i in range(L):
             w, rec = pool[i % len(pool)], trace.view(shape=(wgs, 8), offset=i * wgs * 64)
-            kernel.launch(blocks, threads, out, x, w.weights, w.scales, M, N, K, flags, rec,
+            kernel.launch(blocks, 128 * groups, out, x, w.weights, w.scales, M, N, K, flags, rec,
                           stream=s, shared_mem=shared)  # fmt: skip
     start, end = dev.create_event(timing=True), dev.create_event(timing=True)
     per_launch = []

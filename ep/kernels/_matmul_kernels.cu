@@ -76,6 +76,17 @@ EPK_LD_IF(ld_weight_if, "ld.global.L1::no_allocate")
 EPK_LD_IF(ld_act_if, "ld.global")
 #undef EPK_LD_IF
 
+// 4 bytes at p when ok, else 0, as one predicated read-only load (volatile: kept in place).
+__device__ __forceinline__ u32 ld_u32_if(const void* p, bool ok) {
+  u32 v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\tmov.b32 %0, 0;\n\t"
+      "@q ld.global.nc.u32 %0, [%1];\n\t}"
+      : "=&r"(v)
+      : "l"(p), "r"((int)ok));
+  return v;
+}
+
 // log2 of a split-K GEMV's warps per K split (kw: 1, 2, 4 or 8, a power of two), so that the
 // block's group and slice of a warp are shifts, not integer divisions.
 __device__ __forceinline__ int log2_kw(int kw) { return 31 - __clz(kw); }
@@ -2908,13 +2919,13 @@ __device__ __forceinline__ void mx4f8_split2(u32 v, float f, u32& hi, u32& lo) {
 // M .. NB/2 - 1 are zeros): its lanes read the row 8 elements at a time, take its largest
 // magnitude with shuffles, then read each 8 again (from L1) as 8 hi and 8 lo bytes. No block-wide
 // step until the tiles are complete.
-template <int NB>
+template <int NB, int W = MX4F8_WARPS>
 __device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
                                               const __nv_bfloat16* __restrict__ x, int M, int K,
                                               int S, bool x16) {
   const int lane = threadIdx.x & 31;
   const int chunks = K >> 3, padded = S << 3;  // 8 elements a chunk; K padded to the step
-  for (int m = threadIdx.x >> 5; m < (NB >> 1); m += MX4F8_WARPS) {
+  for (int m = threadIdx.x >> 5; m < (NB >> 1); m += W) {
     const __nv_bfloat16* row = x + (size_t)m * K;
     u32 mx = 0u;  // the largest |x| of the row as bf16 bits, in both halves
     if (m < M) {
@@ -2979,7 +2990,7 @@ __device__ __forceinline__ u32 f8_smid() {
 #define F8_TRACE(i, v) ((void)0)
 #endif
 
-template <int D, int NB, bool XS>
+template <int D, int NB, bool XS, int W = MX4F8_WARPS>
 __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
                                           const __nv_bfloat16* __restrict__ x,
                                           const uint4* __restrict__ wq, const u32* __restrict__ sc,
@@ -2988,8 +2999,8 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
   constexpr int NT = NB / 8;  // token groups of 4 a lane holds: rows t + 4j
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
-  const long long wgs = (long long)gridDim.x * (MX4F8_WARPS / 4);
-  const long long wg = (long long)blockIdx.x * (MX4F8_WARPS / 4) + (threadIdx.x >> 7);
+  const long long wgs = (long long)gridDim.x * (W / 4);
+  const long long wg = (long long)blockIdx.x * (W / 4) + (threadIdx.x >> 7);
   const long long tiles = ((long long)N + 63) >> 6;
   const int j0 = (int)(wg * tiles / wgs), j1 = (int)((wg + 1) * tiles / wgs);
   const int total = (j1 - j0) * S;  // warpgroup-uniform
@@ -3013,7 +3024,7 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
   ready();
   F8_TRACE(1, f8_gtime());
   float* factor = reinterpret_cast<float*>(xs + 2 * S * NB * 32);
-  mx4f8_stage_x<NB>(xs, factor, x, M, K, S, (flags & EPK_X16) != 0);
+  mx4f8_stage_x<NB, W>(xs, factor, x, M, K, S, (flags & EPK_X16) != 0);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
   __syncthreads();
   F8_TRACE(2, f8_gtime());
@@ -3044,7 +3055,17 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
       wgmma_f8<NB>(c0, a0, dsc);
       wgmma_f8<NB>(c1, a1, dsc + dstep);
-      if (idx + D < total) {  // the slot is free: refill it with the step D ahead
+      // The slot is free: refill it with the step D ahead. At M <= 8 as volatile predicated
+      // loads, which ptxas issues every 2-3 steps: plain conditional loads there were sunk to
+      // the end of each round of D steps (nvdisasm), so a warp's ring drained to about one step
+      // in flight before refilling all at once (H200, 896 x 151936, d8b3: 22.5 -> 21.4 us at
+      // M = 1, 23.5 -> 21.6 at M = 4). At M > 8 plain loads measured faster (d8b1: 28.2 us
+      // against 28.5-29.9).
+      if constexpr (NB <= 16) {
+        const bool more = idx + D < total;
+        rq[d] = ld_stream_if(wq + (size_t)(idx + D) * 128, more);
+        rs[d] = ld_u32_if(sc + (size_t)(idx + D) * 32, more);
+      } else if (idx + D < total) {
         rq[d] = ld_stream(wq + (size_t)(idx + D) * 128);
         rs[d] = __ldg(sc + (size_t)(idx + D) * 32);
       }
@@ -3092,8 +3113,9 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
 }
 #undef F8_TRACE
 
-// D4, D8, D16: ring steps a warp at M <= 4, 8, 16 (the wider accumulators take registers).
-template <int D4, int D8, int D16>
+// D4, D8, D16: ring steps a warp at M <= 4, 8, 16 (the wider accumulators take registers); W
+// warps a block (8: two warpgroups; 24: an SM's six warpgroups in one block).
+template <int D4, int D8, int D16, int W = MX4F8_WARPS>
 __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
                                            const __nv_bfloat16* __restrict__ x, const u8* b,
                                            const u8* scales, int M, int N, int K, u32 flags,
@@ -3104,14 +3126,14 @@ __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
   const u32* sc = reinterpret_cast<const u32*>(scales);
   const bool xs = (flags & EPK_E8X) != 0;
   if (M > 8) {
-    if (xs) mx4f8_run<D16, 32, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
-    else mx4f8_run<D16, 32, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    if (xs) mx4f8_run<D16, 32, true, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    else mx4f8_run<D16, 32, false, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
   } else if (M > 4) {
-    if (xs) mx4f8_run<D8, 16, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
-    else mx4f8_run<D8, 16, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    if (xs) mx4f8_run<D8, 16, true, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    else mx4f8_run<D8, 16, false, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
   } else {
-    if (xs) mx4f8_run<D4, 8, true>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
-    else mx4f8_run<D4, 8, false>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    if (xs) mx4f8_run<D4, 8, true, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    else mx4f8_run<D4, 8, false, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
   }
 }
 

@@ -79,13 +79,23 @@ _ROTATIONS = ((0,), (2, 4))  # register 2j: w & MASK; 2j + 1: (rotl(w, 2) ^ rotl
 _FIX = np.float32(2.0**6)  # an e4m3 byte of an E2M1 code is e2m1 x 2^-6
 # Ring variants, as `ep.kernels.q4p.RINGS`: (steps a warp in flight at M <= 4, blocks an SM);
 # _WIDER: the steps at M <= 8 and M <= 16 (wider accumulators, fewer registers for the ring).
-# The default is d8b3 at M <= 4 and d12b2 above (at M <= 8 it keeps 10 steps and at M <= 16 8,
-# where d8b3's wider accumulators leave its ring 4 and 2). H200, 896 x 151936, µs at
-# M = 1 / 4 / 16 in one run (docs/benchmarks/h200.md): d8b3 22.10 / 22.52 / 33.12, d12b2 22.83
-# / 23.16 / 30.98, d8b2 22.78 / 23.04 / 32.29, d6b2 25.14 / 25.41 / 34.19 (mx4p 24.93 / 26.27
-# / 31.95).
-RINGS: tuple[tuple[int, int], ...] = ((8, 3), (12, 2), (8, 2))
-_WIDER = {(8, 3): (4, 2), (12, 2): (10, 8), (8, 2): (8, 8)}
+# d8b1 puts an SM's six warpgroups in one block of 24 warps (`block_warps`): they start
+# together and stage x once an SM. The default is d8b3 at M <= 4 and d8b1 above. H200, 896 x
+# 151936, µs at M = 1 / 4 / 8 / 16, medians of three runs (docs/benchmarks/h200.md, fifteenth
+# session): d8b3 21.36 / 21.56 / 24.01 / 33.89; d8b1 22.71 / 22.99 / 23.10 / 28.20 with plain
+# refills at every width, 22.46 at M = 8 with the volatile ones it now has there; the earlier
+# default (d8b3 with plain refills, d12b2 above M = 4) 22.45 / 23.47 / 26.18 / 31.48.
+RINGS: tuple[tuple[int, int], ...] = ((8, 3), (12, 2), (8, 2), (8, 1))
+_WIDER = {(8, 3): (4, 2), (12, 2): (10, 8), (8, 2): (8, 8), (8, 1): (4, 2)}
+
+
+def block_warps(per_sm: int) -> int:
+    """Warps a block of a ring with ``per_sm`` blocks an SM: 8 (two warpgroups), or for d8b1 24
+    (an SM's six warpgroups in one block, all started together: against the start-order
+    imbalance that tools/trace_mx4f8.py found, docs/benchmarks/h200.md)."""
+    return 24 if per_sm == 1 else _WARPS
+
+
 RING_ENV = "GENAI_EP_MX4F8"
 _TARGETS = ("sm_90a",)
 _E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -232,7 +242,7 @@ def launch_shape(dev: Device, N: int, K: int, per_sm: int) -> tuple[int, int, in
     """(tiles T, steps a tile S, persistent blocks, (weight bytes, scale bytes)) of a launch
     whose ring puts ``per_sm`` blocks on an SM."""
     T, S = _sizes(N, K)
-    blocks = max(1, min(per_sm * matmul.sm_count(dev), -(-T // (_WARPS // 4))))
+    blocks = max(1, min(per_sm * matmul.sm_count(dev), -(-T // (block_warps(per_sm) // 4))))
     return T, S, blocks, (T * S * 2048, T * S * 128)
 
 
@@ -257,9 +267,9 @@ def gemv_mx4_f8(
     """``out[M, N] = x[M, K] @ dequantize_mxfp4(W)^T`` for a `PackedMX4F8` weight on the FP8
     tensor cores (bf16 activations, M <= 16; sm_90a, or the NumPy twin on the CPU device), x
     split as `split_x` says. ``resident`` and ``ring`` as `ep.kernels.q4p.gemv_q4_packed`
-    (default ring `RING_ENV`, else d8b3 at M <= 4 and d12b2 above: `RINGS`)."""
+    (default ring `RING_ENV`, else d8b3 at M <= 4 and d8b1 above: `RINGS`)."""
     op = "gemv_mx4_f8"
-    default = "d8b3" if M <= 4 else "d12b2"  # RINGS: the comment above
+    default = "d8b3" if M <= 4 else "d8b1"  # RINGS: the comment above
     ring, per_sm = _ring(op, ring, RING_ENV, RINGS, default)
     N, K = w.N, w.K
     dtype = _rows_and_dtype(op, M, x)
@@ -279,13 +289,14 @@ def gemv_mx4_f8(
         op, dev, out, x, w.weights, w.scales, M=M, N=N, K=K, sizes=sizes, resident=resident,
         exact=w.exact,
     )  # fmt: skip
+    warps = block_warps(per_sm)
     shared = shared_bytes(M, K)
-    dev.kernel(name).launch(blocks, 32 * _WARPS, out, x, w.weights, w.scales, M, N, K, flags,
+    dev.kernel(name).launch(blocks, 32 * warps, out, x, w.weights, w.scales, M, N, K, flags,
                             stream=stream, shared_mem=shared)  # fmt: skip
     return matmul.MatmulPlan(
-        name, "gemv", (blocks, 1, 1), 32 * _WARPS, 1, 1,
+        name, "gemv", (blocks, 1, 1), 32 * warps, 1, 1,
         f"MXFP4 GEMV on the FP8 tensor cores: {T} tiles of 64 rows over {blocks} persistent "
-        f"blocks x {_WARPS // 4} warpgroups, {S} steps of 64 k a tile", shared,
+        f"blocks x {warps // 4} warpgroups, {S} steps of 64 k a tile", shared,
     )  # fmt: skip
 
 
@@ -307,10 +318,12 @@ def _register() -> dict[str, KernelSource]:
     for depth, per_sm in RINGS:
         name = _name("mx4f8", f"d{depth}b{per_sm}", "bf16", RINGS)
         d8, d16 = _WIDER[depth, per_sm]
+        warps = block_warps(per_sm)
         entry = (
-            f'extern "C" __global__ void __launch_bounds__({32 * _WARPS}, {per_sm}) {name}('
+            f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
             "T* y, const T* x, const u8* b, const u8* scales, int M, int N, int K, u32 flags) "
-            f"{{\n  epk::mx4f8_gemv<{depth}, {d8}, {d16}>(y, x, b, scales, M, N, K, flags);\n}}\n"
+            f"{{\n  epk::mx4f8_gemv<{depth}, {d8}, {d16}, {warps}>(y, x, b, scales, M, N, K, "
+            "flags);\n}\n"
         )
         out[name] = register_kernel(
             KernelSource(

@@ -7,7 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ep.device import Buffer, Device
+from ep.device import Buffer, Device, KernelSource
+from ep.device._kernels import compiled_source, cuda_headers
 from ep.kernels.matmul import MatmulPlan, MatmulWorkspace, gemm, gemm_mxfp4, gemm_nbits
 from ep.ops.matmul import dequantize_mxfp4, dequantize_nbits, quantize_mxfp4, quantize_nbits
 
@@ -75,3 +76,21 @@ def check_exact_scales(
     if tiny:
         small = np.abs(got[:, 9] - want[:, 9]).max() / np.abs(want[:, 9]).max()
         assert np.abs(got[:, 9]).max() > 0 and small < 2 * bound, small
+
+
+def ptx_of(source: KernelSource, arch: str = "sm_90a") -> str:
+    """The PTX NVRTC makes of ``source`` (through cuda.bindings' NVRTC: no GPU, no driver)."""
+    from cuda.bindings import nvrtc
+
+    text = compiled_source(source, arch).encode()
+    err, prog = nvrtc.nvrtcCreateProgram(text, source.name.encode(), 0, [], [])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{cuda_headers()[0]}".encode()]
+    opts += [f"-D{k}={v}".encode() for k, v in source.options.defines]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
+    err, size = nvrtc.nvrtcGetPTXSize(prog)
+    ptx = b" " * size
+    (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
+    nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.decode(errors="replace")

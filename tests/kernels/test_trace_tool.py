@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gemv_case import ptx_of
 
-from ep.device import KernelSource, probe_cuda
-from ep.device._kernels import compiled_source, cuda_headers
+from ep.device import probe_cuda
 from ep.kernels.mx4f8 import MX4F8_KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,30 +55,12 @@ def test_the_summary_names_each_phase_of_each_launch() -> None:
     assert lines[5].endswith("min 15.00 15.75/16.35/16.50")  # SM 0: 15.0, SM 1: 16.5
 
 
-def _ptx(source: KernelSource, arch: str = "sm_90a") -> str:
-    """The PTX NVRTC makes of ``source`` (through cuda.bindings' NVRTC: no GPU, no driver)."""
-    from cuda.bindings import nvrtc
-
-    text = compiled_source(source, arch).encode()
-    err, prog = nvrtc.nvrtcCreateProgram(text, source.name.encode(), 0, [], [])
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-I{cuda_headers()[0]}".encode()]
-    opts += [f"-D{k}={v}".encode() for k, v in source.options.defines]
-    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, err
-    err, size = nvrtc.nvrtcGetPTXSize(prog)
-    ptx = b" " * size
-    (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
-    nvrtc.nvrtcDestroyProgram(prog)
-    return ptx.decode(errors="replace")
-
-
 def test_only_the_traced_kernel_reads_the_timer() -> None:
     """EPK_TRACE adds the timestamps; without it the kernel has none of them (its cubin is the
     untraced kernel's: the instrumentation compiles to nothing)."""
-    traced = _ptx(_module().trace_source("d8b3"))
+    traced = ptx_of(_module().trace_source("d8b3"))
     assert "%globaltimer" in traced and "%smid" in traced
-    plain = _ptx(MX4F8_KERNELS["ep_gemv_mx4f8_bf16"])
+    plain = ptx_of(MX4F8_KERNELS["ep_gemv_mx4f8_bf16"])
     assert "%globaltimer" not in plain and "%smid" not in plain
 
 
