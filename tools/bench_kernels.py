@@ -5,7 +5,10 @@ For each GEMV (the Qwen2.5-0.5B shapes, K x N: 896x896, 896x128, 896x1152 (fused
 bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero points), the same
 4-bit weights repacked for ``ep_gemv_q4p`` (``q4p``; ``q4p-d8b2``: a compiled ring), MXFP4 and
 the same MXFP4 bytes repacked for ``ep_gemv_mx4p`` (``mx4p``; ``mx4p-d8b2``) and for the FP8
-tensor cores' ``ep_gemv_mx4f8`` (``mx4f8``, sm_90a; ``mx4f8-d8b2``);
+tensor cores' ``ep_gemv_mx4f8`` (``mx4f8``, sm_90a; ``mx4f8-d8b2``), and the 4-bit weights for
+the FP8 tensor cores' ``ep_gemv_q4f8`` (``q4f8``, sm_90a; ``q4f8-d10b2``); ``+sym`` after a 4-bit
+format (``q4p+sym``, ``q4f8-d10b2+sym``): symmetric weights, no zero points (every one 8, as the
+onnxruntime-genai model builder writes them);
 M = 1, 4, 16) and for decode attention (bf16, 14 query heads, 2 KV heads, head_dim 64: full
 head-major caches of 512, 2k, 8k, 32k tokens, and the native decode graph's case, a seq-major cache
 of 2048 slots holding 1, 40, 128, 512, 2048 live tokens), it reports the bytes a launch must move
@@ -73,7 +76,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing
 from ep.device import KERNELS, Buffer, Device, get_device, probe_cuda  # noqa: E402
 from ep.device._kernels import nvrtc_version  # noqa: E402
 from ep.kernels import matmul as mm  # noqa: E402
-from ep.kernels import mx4f8, q4p  # noqa: E402
+from ep.kernels import mx4f8, q4f8, q4p  # noqa: E402
 from ep.ops import matmul as ref  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -88,12 +91,12 @@ SHAPES = [
 ]  # (K, N)
 LARGE = {(896, 4864), (896, 9728), (4864, 896), (896, 151936)}
 ROWS = [1, 4, 16]
-FORMATS = ["bf16-nk", "bf16-kn", "q4", "q4p", "mxfp4", "mx4p", "mx4f8"]
-# kernel-name part of each format; q4p / mx4p / mx4f8: the weights of q4 / mxfp4 repacked
-# (`ep.kernels.q4p`, `ep.kernels.mx4f8`)
+FORMATS = ["bf16-nk", "bf16-kn", "q4", "q4p", "q4f8", "mxfp4", "mx4p", "mx4f8"]
+# kernel-name part of each format; q4p / q4f8 / mx4p / mx4f8: the weights of q4 / mxfp4 repacked
+# (`ep.kernels.q4p`, `ep.kernels.q4f8`, `ep.kernels.mx4f8`)
 _FAMILY = {
     "bf16-nk": "nk", "bf16-kn": "kn", "q4": "q4", "q4p": "q4p", "mxfp4": "mx4", "mx4p": "mx4p",
-    "mx4f8": "mx4f8",
+    "mx4f8": "mx4f8", "q4f8": "q4f8",
 }  # fmt: skip
 _ALIASES = {"bf16": "bf16-nk"}  # --formats bf16: the dense [N, K] (decode) orientation
 GEMV_CHOICES = ("v1", "v2", "v2-any")  # --gemv: the GEMV versions a row runs under
@@ -243,23 +246,33 @@ def _bf16(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) 
     return (rng.standard_normal(shape, dtype=np.float32) * scale).astype(BF16)
 
 
+def _symmetric(fmt: str) -> tuple[str, bool]:
+    """(the format without ``+sym``, whether its 4-bit weights have no zero points)."""
+    base, _, mod = fmt.partition("+")
+    return base, mod == "sym"
+
+
 def _weights(fmt: str, rng: np.random.Generator, K: int, N: int) -> dict[str, np.ndarray]:
     """Random weights of one format (random bytes for the packed formats: all codes occur)."""
+    fmt, sym = _symmetric(fmt)
     if fmt == "bf16-nk":
         return {"w": _bf16(rng, (N, K), K**-0.5)}
     if fmt == "bf16-kn":
         return {"w": _bf16(rng, (K, N), K**-0.5)}
-    if fmt == "q4" or fmt.startswith("q4p"):
+    if fmt == "q4" or fmt.startswith(("q4p", "q4f8")):
         kb = -(-K // 32)
         w = {
             "b": rng.integers(0, 256, (N, kb, 16), dtype=np.uint8),
             "scales": (rng.uniform(0.5, 1.5, N * kb).astype(np.float32) * (0.1 / 8)).astype(BF16),
             "zp": rng.integers(0, 256, N * ((kb + 1) // 2), dtype=np.uint8),
         }
+        zp: np.ndarray | None = None if sym else w["zp"]
+        del w["zp"]
         if fmt.startswith("q4p"):  # the same bytes in the packed layout (its padding included)
-            packed = q4p.pack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)
-            w = dict(zip(("b", "scales", "zp"), packed, strict=True))
-        return w
+            w["b"], w["scales"], zp = q4p.pack_q4(w["b"], w["scales"], zp, N=N, K=K)
+        if fmt.startswith("q4f8"):
+            w["b"], w["scales"], zp = q4f8.pack_q4f8(w["b"], w["scales"], zp, N=N, K=K)
+        return w if zp is None else {**w, "zp": zp}
     w = {
         "b": rng.integers(0, 256, (N, K // 32, 16), dtype=np.uint8),
         "scales": rng.integers(118, 124, (N, K // 32), dtype=np.uint8),  # no E8M0 0 or 255
@@ -279,13 +292,17 @@ def _reference(
     """The reference product, or its output columns ``cols`` (computed from those rows only)."""
     r = cols if cols is not None else slice(0, N)
     n = r.stop - r.start
+    fmt, _ = _symmetric(fmt)
+    zp = w.get("zp")  # 4-bit: None for symmetric weights
     if fmt in ("bf16-nk", "bf16-kn"):
         wt = w["w"].astype(np.float32)
         wt = wt[r] if fmt == "bf16-nk" else wt[:, r]
         return np.matmul(x.astype(np.float32), wt.T if fmt == "bf16-nk" else wt).astype(BF16)
-    if fmt.startswith(("q4p", "mx4p", "mx4f8")):
+    if fmt.startswith(("q4p", "q4f8", "mx4p", "mx4f8")):
         if fmt.startswith("q4p"):
-            dense = q4p.unpack_q4(w["b"], w["scales"], w["zp"], N=N, K=K)[r]
+            dense = q4p.unpack_q4(w["b"], w["scales"], zp, N=N, K=K)[r]
+        elif fmt.startswith("q4f8"):
+            dense = q4f8.unpack_q4f8(w["b"], w["scales"], zp, N=N, K=K)[r]
         elif fmt.startswith("mx4p"):
             dense = q4p.unpack_mx4(w["b"], w["scales"], N=N, K=K, dtype=BF16)[r]
         else:
@@ -294,10 +311,12 @@ def _reference(
     if fmt == "q4":
         kb = -(-K // 32)
         zr = (kb + 1) // 2
+        scales = w["scales"][r.start * kb : r.stop * kb]
+        if zp is None:
+            return ref.matmul_nbits(x, w["b"][r], scales, K=K, N=n, bits=4, block_size=32)
         return ref.matmul_nbits_zp(
-            x, w["b"][r], w["scales"][r.start * kb : r.stop * kb],
-            w["zp"][r.start * zr : r.stop * zr], K=K, N=n, bits=4, block_size=32,
-        )  # fmt: skip
+            x, w["b"][r], scales, zp[r.start * zr : r.stop * zr], K=K, N=n, bits=4, block_size=32
+        )
     return ref.matmul_mxfp4(x, w["b"][r], w["scales"][r], K=K, N=n)
 
 
@@ -314,6 +333,8 @@ def _launch(
     resident: bool = True,
 ) -> mm.MatmulPlan:
     s = dev.default_stream
+    fmt, _ = _symmetric(fmt)
+    zp = w.get("zp")  # 4-bit: None for symmetric weights
     if fmt in ("bf16-nk", "bf16-kn"):
         return mm.gemm(
             dev, out, x, w["w"], M=M, N=N, K=K, transpose_b=int(fmt == "bf16-nk"), stream=s,
@@ -321,17 +342,21 @@ def _launch(
         )  # fmt: skip
     if fmt == "q4":
         return mm.gemm_nbits(
-            dev, out, x, w["b"], w["scales"], w["zp"], M=M, N=N, K=K, block_size=32, stream=s,
+            dev, out, x, w["b"], w["scales"], zp, M=M, N=N, K=K, block_size=32, stream=s,
             workspace=ws, resident=resident,
         )  # fmt: skip
     if fmt.startswith("q4p"):  # q4p, or q4p-<ring> (a compiled ring variant: `q4p.RINGS`)
-        packed = q4p.PackedQ4(w["b"], w["scales"], w["zp"], N, K)
+        packed = q4p.PackedQ4(w["b"], w["scales"], zp, N, K)
         ring = fmt.partition("-")[2] or None
         return q4p.gemv_q4_packed(dev, out, x, packed, M=M, stream=s, resident=resident, ring=ring)
     if fmt.startswith("mx4p"):  # mx4p, or mx4p-<ring>; `_weights` draws no E8M0 0 or 255
         mx = q4p.PackedMX4(w["b"], w["scales"], N, K, BF16, exact=False)
         ring = fmt.partition("-")[2] or None
         return q4p.gemv_mx4_packed(dev, out, x, mx, M=M, stream=s, resident=resident, ring=ring)
+    if fmt.startswith("q4f8"):  # q4f8, or q4f8-<ring>
+        packed4 = q4f8.PackedQ4F8(w["b"], w["scales"], zp, N, K)
+        ring = fmt.partition("-")[2] or None
+        return q4f8.gemv_q4_f8(dev, out, x, packed4, M=M, stream=s, resident=resident, ring=ring)
     if fmt.startswith("mx4f8"):  # mx4f8, or mx4f8-<ring>
         f8 = mx4f8.PackedMX4F8(w["b"], w["scales"], N, K, exact=False)
         ring = fmt.partition("-")[2] or None
@@ -767,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.attention_only:
         formats = []
     # q4p-<ring> / mx4p-<ring>: the q4p / mx4p family (the variant's kernel name holds "_q4p_")
-    families = tuple(f"_{_FAMILY.get(f, f.partition('-')[0])}_" for f in formats)
+    bases = [_symmetric(f)[0] for f in formats]
+    families = tuple(f"_{_FAMILY.get(f, f.partition('-')[0])}_" for f in bases)
     needed = [
         n
         for n in KERNELS.names()

@@ -12,6 +12,7 @@ from ep.kernels import matmul as matmul
 from ep.kernels import mlp as mlp
 from ep.kernels import mx4f8 as mx4f8
 from ep.kernels import norm as norm
+from ep.kernels import q4f8 as q4f8
 from ep.kernels import q4p as q4p
 from ep.kernels import rotary as rotary
 from ep.kernels import sample as sample

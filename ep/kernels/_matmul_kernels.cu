@@ -87,6 +87,28 @@ __device__ __forceinline__ u32 ld_u32_if(const void* p, bool ok) {
   return v;
 }
 
+// 8 bytes at p when ok, else 0, as one predicated read-only load (volatile: kept in place).
+__device__ __forceinline__ uint2 ld_u64_if(const void* p, bool ok) {
+  uint2 v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %3, 0;\n\tmov.b32 %0, 0;\n\tmov.b32 %1, 0;\n\t"
+      "@q ld.global.nc.v2.u32 {%0, %1}, [%2];\n\t}"
+      : "=&r"(v.x), "=&r"(v.y)
+      : "l"(p), "r"((int)ok));
+  return v;
+}
+
+// 2 bytes at p when ok, else 0, as one predicated read-only load (volatile: kept in place).
+__device__ __forceinline__ u32 ld_u16_if(const void* p, bool ok) {
+  unsigned short v;
+  asm volatile(
+      "{\n\t.reg .pred q;\n\tsetp.ne.b32 q, %2, 0;\n\tmov.b16 %0, 0;\n\t"
+      "@q ld.global.nc.u16 %0, [%1];\n\t}"
+      : "=&h"(v)
+      : "l"(p), "r"((int)ok));
+  return v;
+}
+
 // log2 of a split-K GEMV's warps per K split (kw: 1, 2, 4 or 8, a power of two), so that the
 // block's group and slice of a warp are shifts, not integer divisions.
 __device__ __forceinline__ int log2_kw(int kw) { return 31 - __clz(kw); }
@@ -2825,11 +2847,41 @@ __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict
 // Per step and lane (M <= 4): 1 LDG.128 + 1 LDG.32, 8 LOP3 + 8 SHF, 2 wgmma, 4 FADD + 4 FFMA,
 // and the scale decode (mx4p: 48 decode instructions and 4 HMMA). On the H200 that alone did not
 // make it faster than mx4p; deeper rings did (bytes in flight: ep/kernels/mx4f8.py, RINGS).
+//
+// `ep_gemv_q4f8_bf16` runs 4-bit MatMulNBits weights (block 32) through the same loop (`f8_run`,
+// formats F8_Q4 and F8_Q4_ZP): a code q in the low half of a byte is the e4m3 value q x 2^-9, so
+// a word's A registers are `w & 0x0F0F0F0F` (row g) and `(w >> 4) & 0x0F0F0F0F` (row g + 8);
+// `ep.kernels.q4f8.pack_q4f8` places the codes so. Its scales are bf16 ([T][S][4 warps][8 g][4],
+// a lane's uint2), its zero points 4 nibbles a lane's step ([T][S][4][8] uint16, with EPK_ZP;
+// else 8). The zero points stay out of the MMA: a block adds s (its products - z sum x) 2^-9,
+// with each row of x's 32-block sums staged after the row factors; the factor is 2^(9 - e).
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 constexpr int MX4F8_WARPS = 8;  // two warpgroups a block
 constexpr u32 MX4F8_MASK = 0x9C9C9C9Cu;
+
+// The weight formats F of the FP8 GEMV: MXFP4 with E8M0 scale bytes (F8_MX4; F8_MX4_EXACT decodes
+// the bytes 0 and 255 exactly), and 4-bit block-quantized (MatMulNBits, block 32; q4f8 below)
+// with bf16 scales and zero points 8 (F8_Q4) or given (F8_Q4_ZP). A lane's scales of a step are
+// 4 E8M0 bytes (u32) or 4 bf16 (uint2).
+constexpr int F8_MX4 = 0, F8_MX4_EXACT = 1, F8_Q4 = 2, F8_Q4_ZP = 3;
+template <int F>
+struct F8Scales {
+  typedef u32 type;
+};
+template <>
+struct F8Scales<F8_Q4> {
+  typedef uint2 type;
+};
+template <>
+struct F8Scales<F8_Q4_ZP> {
+  typedef uint2 type;
+};
+__device__ __forceinline__ u32 f8_scales(const u32* p) { return __ldg(p); }
+__device__ __forceinline__ uint2 f8_scales(const uint2* p) { return __ldg(p); }
+__device__ __forceinline__ u32 f8_scales_if(const u32* p, bool ok) { return ld_u32_if(p, ok); }
+__device__ __forceinline__ uint2 f8_scales_if(const uint2* p, bool ok) { return ld_u64_if(p, ok); }
 
 // A lane's accumulators of one block's wgmma (NB columns: NB / 2 floats).
 template <int NB>
@@ -2894,6 +2946,14 @@ __device__ __forceinline__ void mx4f8_regs(u32 w, u32& lo, u32& hi) {
   hi = xor_and<MX4F8_MASK>(rotl(w, 2), rotl(w, 4));
 }
 
+// A 4-bit word -> A registers (2j, 2j + 1) of its block: its low nibbles and its high ones, each
+// the low half of a byte, which as e4m3 is q x 2^-9 exactly (q < 8: the subnormal m x 2^-9;
+// q >= 8: exponent 1, (8 + m) x 2^-9).
+__device__ __forceinline__ void q4f8_regs(u32 w, u32& lo, u32& hi) {
+  lo = w & 0x0F0F0F0Fu;
+  hi = (w >> 4) & 0x0F0F0F0Fu;
+}
+
 // Eight bf16 of a row of x: one 16-byte load, or four 4-byte ones when x is not 16-byte aligned.
 __device__ __forceinline__ uint4 mx4f8_x8(const __nv_bfloat16* __restrict__ row, int c, bool x16) {
   if (x16) return __ldg(reinterpret_cast<const uint4*>(row) + c);
@@ -2918,11 +2978,12 @@ __device__ __forceinline__ void mx4f8_split2(u32 v, float f, u32& hi, u32& lo) {
 // 2^(6 - e) (NaN for a row holding inf or NaN) in `factor`. Warp w stages rows w, w + 8 (rows
 // M .. NB/2 - 1 are zeros): its lanes read the row 8 elements at a time, take its largest
 // magnitude with shuffles, then read each 8 again (from L1) as 8 hi and 8 lo bytes. No block-wide
-// step until the tiles are complete.
-template <int NB, int W = MX4F8_WARPS>
+// step until the tiles are complete. Q4 (the 4-bit formats): the factor is 2^(9 - e), and each
+// 32-block's sum of x 2^(e - 9) goes to xsum [S][NB / 2 rows][2 blocks] (the zero points' term).
+template <int NB, int W = MX4F8_WARPS, bool Q4 = false>
 __device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
                                               const __nv_bfloat16* __restrict__ x, int M, int K,
-                                              int S, bool x16) {
+                                              int S, bool x16, float* xsum = nullptr) {
   const int lane = threadIdx.x & 31;
   const int chunks = K >> 3, padded = S << 3;  // 8 elements a chunk; K padded to the step
   for (int m = threadIdx.x >> 5; m < (NB >> 1); m += W) {
@@ -2942,11 +3003,20 @@ __device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
     const int e = min(134 - ex, 127);                        // 2^e puts it in [128, 256)
     const float f = ex == 255 ? 1.0f : __uint_as_float((u32)(e + 127) << 23);
     if (lane == 0 && m < M)
-      factor[m] = ex == 255 ? __uint_as_float(0x7FC00000u) : __uint_as_float((u32)(133 - e) << 23);
-    for (int c = lane; c < padded; c += 32) {
+      factor[m] = ex == 255 ? __uint_as_float(0x7FC00000u)
+                            : __uint_as_float((u32)((Q4 ? 136 : 133) - e) << 23);
+    const int passes = Q4 ? (padded + 31) & ~31 : padded;  // Q4: whole warps (the shuffles)
+    for (int c = lane; c < passes; c += 32) {
       uint2 hi = make_uint2(0u, 0u), lo = make_uint2(0u, 0u);
+      float part = 0.0f;  // Q4: the chunk's sum of x
       if (m < M && c < chunks) {
         const uint4 v = mx4f8_x8(row, c, x16);
+        if constexpr (Q4) {
+          const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            part += __uint_as_float(w[i] << 16) + __uint_as_float(w[i] & 0xFFFF0000u);
+        }
         u32 h[4], l[4];
         mx4f8_split2(v.x, f, h[0], l[0]);
         mx4f8_split2(v.y, f, h[1], l[1]);
@@ -2954,6 +3024,13 @@ __device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
         mx4f8_split2(v.w, f, h[3], l[3]);
         hi = make_uint2(h[0] | (h[1] << 16), h[2] | (h[3] << 16));
         lo = make_uint2(l[0] | (l[1] << 16), l[2] | (l[3] << 16));
+      }
+      if constexpr (Q4) {  // 4 chunks a 32-block, on lanes 4i .. 4i + 3
+        part += __shfl_xor_sync(0xFFFFFFFFu, part, 1);
+        part += __shfl_xor_sync(0xFFFFFFFFu, part, 2);
+        if (c >= padded) continue;
+        const int blk = c >> 2;
+        if ((lane & 3) == 0) xsum[((blk >> 1) * (NB >> 1) + m) * 2 + (blk & 1)] = part * f * 0x1p-9f;
       }
       const int k = c << 3;  // a chunk is 8 bytes of one k half of one block's tile
       u8* at = xs + (k >> 5) * (NB * 32) + ((k >> 4) & 1) * (NB * 16) + (k & 15);
@@ -2990,12 +3067,14 @@ __device__ __forceinline__ u32 f8_smid() {
 #define F8_TRACE(i, v) ((void)0)
 #endif
 
-template <int D, int NB, bool XS, int W = MX4F8_WARPS>
-__device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
-                                          const __nv_bfloat16* __restrict__ x,
-                                          const uint4* __restrict__ wq, const u32* __restrict__ sc,
-                                          u8* xs, int M, int N, int K, int S, u32 flags,
-                                          unsigned long long* trace) {
+template <int D, int NB, int F, int W = MX4F8_WARPS>
+__device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
+                                       const __nv_bfloat16* __restrict__ x,
+                                       const uint4* __restrict__ wq, const void* scales,
+                                       const void* zeros, u8* xs, int M, int N, int K, int S,
+                                       u32 flags, unsigned long long* trace) {
+  constexpr bool Q4 = F >= F8_Q4, ZP = F == F8_Q4_ZP;
+  typedef typename F8Scales<F>::type SV;
   constexpr int NT = NB / 8;  // token groups of 4 a lane holds: rows t + 4j
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
   const int g = lane >> 2, t = lane & 3;
@@ -3008,23 +3087,29 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
   F8_TRACE(0, f8_gtime());
   F8_TRACE(4, clock64());
   wq += (first * 4 + warp) * 32 + lane;
-  sc += (first * 4 + warp) * 8 + g;
+  const SV* __restrict__ sc = reinterpret_cast<const SV*>(scales) + (first * 4 + warp) * 8 + g;
+  const unsigned short* __restrict__ zs =
+      reinterpret_cast<const unsigned short*>(zeros) + (first * 4 + warp) * 8 + g;
   uint4 rq[D];
-  u32 rs[D];
+  SV rs[D];
+  u32 rz[ZP ? D : 1];  // zero points (F8_Q4_ZP)
   PdlWait ready(flags);
 #pragma unroll
   for (int d = 0; d < D; ++d) {
     rq[d] = zero4();
-    rs[d] = 0u;
+    rs[d] = SV{};
+    if constexpr (ZP) rz[d] = 0u;
     if (d < total) {
       rq[d] = ld_stream(wq + (size_t)d * 128);
-      rs[d] = __ldg(sc + (size_t)d * 32);
+      rs[d] = f8_scales(sc + (size_t)d * 32);
+      if constexpr (ZP) rz[d] = __ldg(zs + (size_t)d * 32);
     }
   }
   ready();
   F8_TRACE(1, f8_gtime());
   float* factor = reinterpret_cast<float*>(xs + 2 * S * NB * 32);
-  mx4f8_stage_x<NB, W>(xs, factor, x, M, K, S, (flags & EPK_X16) != 0);
+  float* xsum = factor + 16;  // Q4: [S][NB / 2][2]
+  mx4f8_stage_x<NB, W, Q4>(xs, factor, x, M, K, S, (flags & EPK_X16) != 0, xsum);
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic writes -> wgmma reads
   __syncthreads();
   F8_TRACE(2, f8_gtime());
@@ -3042,14 +3127,26 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
     for (int d = 0; d < D; ++d) {
       const int idx = s0 + d;
       const uint4 q = rq[d];
-      const u32 sv = rs[d];
+      const SV sv = rs[d];
       rq[d] = zero4();
-      rs[d] = 0u;
+      rs[d] = SV{};
+      u32 zv = 0u;
+      if constexpr (ZP) {
+        zv = rz[d];
+        rz[d] = 0u;
+      }
       u32 a0[4], a1[4];
-      mx4f8_regs(q.x, a0[0], a0[1]);
-      mx4f8_regs(q.y, a0[2], a0[3]);
-      mx4f8_regs(q.z, a1[0], a1[1]);
-      mx4f8_regs(q.w, a1[2], a1[3]);
+      if constexpr (Q4) {
+        q4f8_regs(q.x, a0[0], a0[1]);
+        q4f8_regs(q.y, a0[2], a0[3]);
+        q4f8_regs(q.z, a1[0], a1[1]);
+        q4f8_regs(q.w, a1[2], a1[3]);
+      } else {
+        mx4f8_regs(q.x, a0[0], a0[1]);
+        mx4f8_regs(q.y, a0[2], a0[3]);
+        mx4f8_regs(q.z, a1[0], a1[1]);
+        mx4f8_regs(q.w, a1[2], a1[3]);
+      }
       F8Acc<NB> c0, c1;
       const unsigned long long dsc = desc0 + (unsigned long long)(2 * si) * dstep;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -3064,28 +3161,53 @@ __device__ __forceinline__ void mx4f8_run(__nv_bfloat16* __restrict__ y,
       if constexpr (NB <= 16) {
         const bool more = idx + D < total;
         rq[d] = ld_stream_if(wq + (size_t)(idx + D) * 128, more);
-        rs[d] = ld_u32_if(sc + (size_t)(idx + D) * 32, more);
+        rs[d] = f8_scales_if(sc + (size_t)(idx + D) * 32, more);
+        if constexpr (ZP) rz[d] = ld_u16_if(zs + (size_t)(idx + D) * 32, more);
       } else if (idx + D < total) {
         rq[d] = ld_stream(wq + (size_t)(idx + D) * 128);
-        rs[d] = __ldg(sc + (size_t)(idx + D) * 32);
+        rs[d] = f8_scales(sc + (size_t)(idx + D) * 32);
+        if constexpr (ZP) rz[d] = __ldg(zs + (size_t)(idx + D) * 32);
       }
       float s[2][2];  // [block][row g | g + 8]
-      if (XS) {
+      if constexpr (Q4) {  // bf16 at 2b + h
+        s[0][0] = __uint_as_float(sv.x << 16);
+        s[0][1] = __uint_as_float(sv.x & 0xFFFF0000u);
+        s[1][0] = __uint_as_float(sv.y << 16);
+        s[1][1] = __uint_as_float(sv.y & 0xFFFF0000u);
+      } else if constexpr (F == F8_MX4_EXACT) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) s[i >> 1][i & 1] = e8m0_f32((sv >> (8 * i)) & 0xFFu);
-      } else {
+      } else {  // E8M0 bytes at 2b + h
         s[0][0] = __uint_as_float((sv << 23) & 0x7F800000u);
         s[0][1] = __uint_as_float((sv << 15) & 0x7F800000u);
         s[1][0] = __uint_as_float((sv << 7) & 0x7F800000u);
         s[1][1] = __uint_as_float((sv >> 1) & 0x7F800000u);
       }
       wgmma_wait_all<NB>(c0, c1);
+      if constexpr (Q4) {  // s (sum of q x - z x): the codes' products less the zero points'
+        float z[2][2];
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
+        for (int i = 0; i < 4; ++i) z[i >> 1][i & 1] = ZP ? (float)((zv >> (4 * i)) & 15u) : 8.0f;
+        const float2* xb2 = reinterpret_cast<const float2*>(xsum) + si * (NB >> 1);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          acc[j][h] = fmaf(s[0][h], c0.d[4 * j + 2 * h] + c0.d[4 * j + 2 * h + 1], acc[j][h]);
-          acc[j][h] = fmaf(s[1][h], c1.d[4 * j + 2 * h] + c1.d[4 * j + 2 * h + 1], acc[j][h]);
+        for (int j = 0; j < NT; ++j) {
+          const float2 xb = xb2[t + 4 * j];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float p0 = c0.d[4 * j + 2 * h] + c0.d[4 * j + 2 * h + 1];
+            const float p1 = c1.d[4 * j + 2 * h] + c1.d[4 * j + 2 * h + 1];
+            acc[j][h] = fmaf(s[0][h], fmaf(-z[0][h], xb.x, p0), acc[j][h]);
+            acc[j][h] = fmaf(s[1][h], fmaf(-z[1][h], xb.y, p1), acc[j][h]);
+          }
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            acc[j][h] = fmaf(s[0][h], c0.d[4 * j + 2 * h] + c0.d[4 * j + 2 * h + 1], acc[j][h]);
+            acc[j][h] = fmaf(s[1][h], c1.d[4 * j + 2 * h] + c1.d[4 * j + 2 * h + 1], acc[j][h]);
+          }
         }
       }
       if (++si == S) {  // tile cj is complete: rows 64 cj + 16 warp + g (+ 8), x rows t + 4j
@@ -3123,17 +3245,41 @@ __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
   extern __shared__ __align__(128) u8 f8_xs[];
   const int S = (K + 63) >> 6;
   const uint4* wq = reinterpret_cast<const uint4*>(b);
-  const u32* sc = reinterpret_cast<const u32*>(scales);
   const bool xs = (flags & EPK_E8X) != 0;
+  constexpr int E = F8_MX4_EXACT;
   if (M > 8) {
-    if (xs) mx4f8_run<D16, 32, true, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
-    else mx4f8_run<D16, 32, false, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    if (xs) f8_run<D16, 32, E, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
+    else f8_run<D16, 32, F8_MX4, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
   } else if (M > 4) {
-    if (xs) mx4f8_run<D8, 16, true, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
-    else mx4f8_run<D8, 16, false, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    if (xs) f8_run<D8, 16, E, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
+    else f8_run<D8, 16, F8_MX4, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
   } else {
-    if (xs) mx4f8_run<D4, 8, true, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
-    else mx4f8_run<D4, 8, false, W>(y, x, wq, sc, f8_xs, M, N, K, S, flags, trace);
+    if (xs) f8_run<D4, 8, E, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
+    else f8_run<D4, 8, F8_MX4, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
+  }
+}
+
+// The 4-bit GEMV on the FP8 tensor cores (`ep_gemv_q4f8_bf16`): the same loop over a
+// `ep.kernels.q4f8.pack_q4f8` weight (zero points when EPK_ZP, else 8).
+template <int D4, int D8, int D16, int W = MX4F8_WARPS>
+__device__ __forceinline__ void q4f8_gemv(__nv_bfloat16* __restrict__ y,
+                                          const __nv_bfloat16* __restrict__ x, const u8* b,
+                                          const u8* scales, const u8* zeros, int M, int N, int K,
+                                          u32 flags) {
+  extern __shared__ __align__(128) u8 f8_xs[];
+  const int S = (K + 63) >> 6;
+  const uint4* wq = reinterpret_cast<const uint4*>(b);
+  const bool zp = (flags & EPK_ZP) != 0;
+  constexpr int Z = F8_Q4_ZP;
+  if (M > 8) {
+    if (zp) f8_run<D16, 32, Z, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
+    else f8_run<D16, 32, F8_Q4, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
+  } else if (M > 4) {
+    if (zp) f8_run<D8, 16, Z, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
+    else f8_run<D8, 16, F8_Q4, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
+  } else {
+    if (zp) f8_run<D4, 8, Z, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
+    else f8_run<D4, 8, F8_Q4, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
   }
 }
 

@@ -1,0 +1,304 @@
+"""The 4-bit block-quantized decode GEMV on Hopper's FP8 tensor cores: ``ep_gemv_q4f8_bf16``
+(MatMulNBits weights, block 32; sm_90a only).
+
+`ep.kernels.mx4f8` runs MXFP4 weights through wgmma as e4m3 bytes; this is its 4-bit twin, on
+the same loop (the .cu file's ``f8_run``). A 4-bit code q in the low half of a byte is the e4m3
+value q x 2^-9 exactly (q < 8 are the subnormals m x 2^-9, q >= 8 the first binade, (8 + m) x
+2^-9), so a word of 8 codes becomes its two A registers with a mask and a shift-and-mask:
+`pack_q4f8` puts a row's codes in the low nibbles and the row 8 below in the high ones. The zero
+points stay out of the products: a block's sum is s (sum of q x - z sum of x), and each row of x
+has its 32-block sums staged beside it (from the bf16 x itself, not its e4m3 split). Scales are
+bf16 (the activations' dtype), applied in fp32 after the block's wgmma; zero points are 8 or
+given (MatMulNBits' packed nibbles).
+
+The activations are split into two e4m3 columns as `ep.kernels.mx4f8.split_x` says (exact within
+9 binades of a row's largest magnitude), so this takes bf16 activations only;
+`ep.kernels.q4p.gemv_q4_packed` takes fp16 ones and runs on any GPU.
+
+On the H200 (896 x 151936, docs/benchmarks/h200.md) it takes 24.6 µs at M = 1 with zero points
+(q4p 26.3) and 23.1 without (q4p 23.5), but 39.7 at M = 16 (q4p 33.6): above M = 4 q4p is the
+faster of the two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ep.device import (
+    Buffer,
+    CompileOptions,
+    Device,
+    KernelSource,
+    Stream,
+    kernel_target,
+    register_kernel,
+)
+from ep.errors import KernelArgumentError, KernelUnavailableError
+from ep.kernels import matmul, mx4f8
+from ep.kernels.matmul import _FLAG_EARLY, _FLAG_ZP, _buffer, _disjoint, _x16
+from ep.kernels.q4p import _SIZES, _name, _ring, _rows_and_dtype
+from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
+
+__all__ = [
+    "BLOCK",
+    "Q4F8_KERNELS",
+    "RINGS",
+    "RING_ENV",
+    "PackedQ4F8",
+    "gemv_q4_f8",
+    "pack_q4f8",
+    "shared_bytes",
+    "unpack_q4f8",
+    "upload_q4f8",
+]
+
+BLOCK = 32  # the MatMulNBits block size the layout takes
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+# Ring variants as `ep.kernels.mx4f8.RINGS` (steps a warp in flight at M <= 4, blocks an SM;
+# _WIDER: at M <= 8 and M <= 16); the first is the default. The bf16 scales (a second register
+# a step) and zero points (a third) leave less room than mx4f8's: at 3 or 1 blocks an SM (80
+# registers) an 8-step ring spills 290-390 bytes (ptxas -v), 6 steps 16-24; at 2 blocks (128)
+# 8 and 10 steps none, 12 steps 28. H200, 896 x 151936, µs at M = 1 / 4 / 16 with zero points
+# in one run (docs/benchmarks/h200.md, fifteenth session): d8b2 24.59 / 25.00 / 39.69, d6b3
+# 26.23 / 26.78 / 39.56, d6b1 26.24 / 26.59 / 39.29, d12b2 26.96 / 27.69 / 40.48 (q4p 26.33 /
+# 26.52 / 33.58: faster above M = 4); symmetric, another run: d8b2 23.07 / 23.49, d10b2 24.56 /
+# 24.74 (q4p 23.45 / 23.93).
+RINGS: tuple[tuple[int, int], ...] = ((8, 2), (6, 3), (6, 1))
+_WIDER = {(8, 2): (8, 6), (6, 3): (4, 2), (6, 1): (4, 2)}
+RING_ENV = "GENAI_EP_Q4F8"
+# nibble p of a word (`mx4f8._ROW`, `mx4f8._K`: row g + 8 (p >> 2), byte p & 3) sits at these bits
+_SHIFTS = (8 * (np.arange(8) & 3) + 4 * (np.arange(8) >> 2)).astype(np.uint32)
+
+
+def _check(
+    op: str, b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, N: int, K: int
+) -> int:
+    """Refuse MatMulNBits arrays that do not hold [N, K] in blocks of 32; the blocks a row."""
+    if K % BLOCK:
+        raise ValueError(
+            f"{op}: K={K} must be a multiple of {BLOCK} (the FP8 GEMV stages x by whole blocks); "
+            "ep.kernels.q4p.pack_q4 takes any K"
+        )
+    kb = K // BLOCK
+    if b.dtype != np.uint8 or b.size != N * kb * BLOCK // 2:
+        raise ValueError(
+            f"{op}: b must be uint8 [N={N}, {kb}, 16] (block size {BLOCK}); got {b.dtype} of "
+            f"{b.size} bytes"
+        )
+    if scales.dtype != _BF16 or scales.size != N * kb:
+        raise ValueError(
+            f"{op}: scales must be bfloat16 [N={N}, {kb}] (the activations' dtype: the kernel "
+            f"applies bf16 scales); got {scales.dtype} of {scales.size} (convert with "
+            ".astype(ml_dtypes.bfloat16) if rounding them is acceptable)"
+        )
+    if zero_points is not None and (
+        zero_points.dtype != np.uint8 or zero_points.size != N * ((kb + 1) // 2)
+    ):
+        raise ValueError(
+            f"{op}: zero_points must be uint8 [N={N}, {(kb + 1) // 2}] (MatMulNBits' packed "
+            f"nibbles) or None; got {zero_points.dtype} of {zero_points.size}"
+        )
+    return kb
+
+
+def pack_q4f8(
+    b: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, *, N: int, K: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """MatMulNBits (b uint8 [N, K/32, 16], scales bfloat16 [N, K/32], zero points uint8 [N,
+    ceil(K/64)] or None: every zero point 8) -> (weights uint8, scales bfloat16, zero points
+    uint16 or None) in the ``ep_gemv_q4f8`` layout (the .cu file: `mx4f8`'s, with 4-bit codes
+    and bf16 scales; 4 zero points of a lane's step in one uint16). Rows past N are zero codes
+    with zero scales."""
+    op = "pack_q4f8"
+    kb = _check(op, b, scales, zero_points, N, K)
+    T, S = mx4f8._sizes(N, K)
+    q = np.zeros((T * 64, S * 64), np.uint8)
+    q[:N, :K] = unpack_nibbles(b.reshape(N, K // 2))
+    tiles = q.reshape(T, 64, S, 64).transpose(0, 2, 1, 3)[:, :, mx4f8._ROW, mx4f8._K]
+    words = (tiles.astype(np.uint32) << _SHIFTS).sum(axis=-1, dtype=np.uint32)
+    s = np.zeros((T * 64, 2 * S), _BF16)
+    s[:N, :kb] = scales.reshape(N, kb)
+    ps = mx4f8.tile_blocks(s, T, S).reshape(-1)
+    pz = None
+    if zero_points is not None:
+        z = np.zeros((T * 64, 2 * S), np.uint16)
+        z[:N, :kb] = unpack_nibbles(zero_points.reshape(N, -1))[:, :kb]
+        nib = mx4f8.tile_blocks(z, T, S).reshape(T, S, 4, 8, 4)
+        pz = (nib << (4 * np.arange(4, dtype=np.uint16))).sum(axis=-1, dtype=np.uint16).reshape(-1)
+    return words.reshape(-1).view(np.uint8), ps, pz
+
+
+def _decode(
+    packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, N: int, K: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes [N, K] float32, scales [N, K/32] float32, zero points [N, K/32] float32) of a
+    `pack_q4f8` layout, read as the kernel reads them (masks, bf16 scales)."""
+    T, S = mx4f8._sizes(N, K)
+    words = packed[: T * S * 2048].view(np.uint32).reshape(T, S, 4, 32, 4, 1)
+    codes = (words >> _SHIFTS) & 15  # [T, S, 4 warps, 32 lanes, 4 words, 8 nibbles]
+    tiles = np.zeros((T, S, 64, 64), np.float32)
+    tiles[:, :, mx4f8._ROW, mx4f8._K] = codes
+    q = tiles.transpose(0, 2, 1, 3).reshape(T * 64, S * 64)[:N, :K]
+    s = mx4f8.untile_blocks(np.asarray(scales[: T * S * 128], np.float32), T, S)
+    if zeros is None:
+        z = np.full(s.shape, 8.0, np.float32)
+    else:
+        zw = zeros[: T * S * 32].reshape(-1, 1)
+        z4 = (zw >> (4 * np.arange(4, dtype=np.uint16))) & 15
+        z = mx4f8.untile_blocks(z4.reshape(-1), T, S).astype(np.float32)
+    kb = K // BLOCK
+    return q, s[:N, :kb], z[:N, :kb]
+
+
+def unpack_q4f8(
+    packed: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, *, N: int, K: int
+) -> np.ndarray:
+    """The dequantized weights [N, K] (float32, ``(q - z) * s``) of a `pack_q4f8` layout."""
+    q, s, z = _decode(packed, scales, zeros, N, K)
+    w = (q.reshape(N, K // BLOCK, BLOCK) - z[..., None]) * s[..., None]
+    return w.reshape(N, K)
+
+
+@dataclass(frozen=True)
+class PackedQ4F8:
+    """A `pack_q4f8` weight on a device: the arrays of ``ep_gemv_q4f8`` and the product's N, K."""
+
+    weights: Buffer  # uint8
+    scales: Buffer  # bfloat16
+    zeros: Buffer | None  # uint16, or None: every zero point is 8
+    N: int
+    K: int
+
+
+def upload_q4f8(
+    dev: Device,
+    b: np.ndarray,
+    scales: np.ndarray,
+    zero_points: np.ndarray | None,
+    *,
+    N: int,
+    K: int,
+    stream: Stream,
+    name: str = "q4f8",
+) -> PackedQ4F8:
+    """`pack_q4f8` on the host, then the arrays to ``dev``."""
+    pw, ps, pz = pack_q4f8(b, scales, zero_points, N=N, K=K)
+    return PackedQ4F8(
+        dev.to_device(pw, stream=stream, name=f"{name}.weights"),
+        dev.to_device(ps, stream=stream, name=f"{name}.scales"),
+        None if pz is None else dev.to_device(pz, stream=stream, name=f"{name}.zeros"),
+        N,
+        K,
+    )
+
+
+def shared_bytes(M: int, K: int) -> int:
+    """Dynamic shared memory of a block: `ep.kernels.mx4f8.shared_bytes`, then each staged
+    row's 32-block sums of x (the zero points' term)."""
+    rows = 4 if M <= 4 else (8 if M <= 8 else 16)
+    return mx4f8.shared_bytes(M, K) + mx4f8._sizes(1, K)[1] * rows * 8
+
+
+def gemv_q4_f8(
+    dev: Device,
+    out: Buffer,
+    x: Buffer,
+    w: PackedQ4F8,
+    *,
+    M: int,
+    stream: Stream,
+    resident: bool = False,
+    ring: str | None = None,
+) -> matmul.MatmulPlan:
+    """``out[M, N] = x[M, K] @ dequantize(W)^T`` for a `PackedQ4F8` weight on the FP8 tensor
+    cores (bf16 activations, M <= 16; sm_90a, or the NumPy twin on the CPU device), x split as
+    `ep.kernels.mx4f8.split_x` says. ``resident`` and ``ring`` as
+    `ep.kernels.q4p.gemv_q4_packed` (default ring `RING_ENV`, else the first of `RINGS`)."""
+    op = "gemv_q4_f8"
+    ring, per_sm = _ring(op, ring, RING_ENV, RINGS)
+    N, K = w.N, w.K
+    dtype = _rows_and_dtype(op, M, x)
+    if dtype != matmul._BF16:
+        raise KernelArgumentError(
+            f"{op}: x is {dtype}; the FP8 GEMV takes bfloat16 activations (two e4m3 halves hold "
+            "a bf16's 8 significant bits, not fp16's 11): use ep.kernels.q4p.gemv_q4_packed"
+        )
+    name = _name("q4f8", ring, "bf16", RINGS)
+    if dev.arch is not None and kernel_target(Q4F8_KERNELS[name], dev.arch) is None:
+        raise KernelUnavailableError(
+            f"{op}: the FP8 GEMV runs on wgmma, which only sm_90a (H100, H200) has; this GPU is "
+            f"{dev.arch}: use ep.kernels.q4p.gemv_q4_packed (pack_q4) there"
+        )
+    T, S, blocks, (wbytes, _) = mx4f8.launch_shape(dev, N, K, per_sm)
+    _buffer(op, dev, "x", x, M * K, dtype)
+    _buffer(op, dev, "weights", w.weights, wbytes, np.dtype(np.uint8))
+    _buffer(op, dev, "scales", w.scales, T * S * 128, _BF16)
+    inputs = {"x": x, "weights": w.weights, "scales": w.scales}
+    if w.zeros is not None:
+        _buffer(op, dev, "zeros", w.zeros, T * S * 32, np.dtype(np.uint16))
+        inputs["zeros"] = w.zeros
+    _buffer(op, dev, "out", out, M * N, dtype)
+    _disjoint(op, out, inputs)
+    flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_ZP if w.zeros is not None else 0)
+    zeros = w.zeros if w.zeros is not None else w.weights  # never read without EPK_ZP
+    warps = mx4f8.block_warps(per_sm)
+    shared = shared_bytes(M, K)
+    dev.kernel(name).launch(blocks, 32 * warps, out, x, w.weights, w.scales, zeros, M, N, K,
+                            flags, stream=stream, shared_mem=shared)  # fmt: skip
+    return matmul.MatmulPlan(
+        name, "gemv", (blocks, 1, 1), 32 * warps, 1, 1,
+        f"4-bit GEMV on the FP8 tensor cores: {T} tiles of 64 rows over {blocks} persistent "
+        f"blocks x {warps // 4} warpgroups, {S} steps of 64 k a tile", shared,
+    )  # fmt: skip
+
+
+def _twin(
+    y: np.ndarray, x: np.ndarray, b: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
+    M: np.int32, N: np.int32, K: np.int32, flags: np.uint32,
+) -> None:  # fmt: skip
+    """The NumPy twin: the codes times the split x, less the zero points times x itself (as
+    the kernel: `split_x` feeds the tensor cores, the block sums come from x), scaled, fp32,
+    rounded once."""
+    m, n, k = int(M), int(N), int(K)
+    z16 = zeros.view(np.uint16) if int(flags) & _FLAG_ZP else None
+    q, s, z = _decode(b, scales, z16, n, k)
+    xv = np.asarray(x[: m * k], np.float32).reshape(m, k)
+    xs = mx4f8.split_x(x[: m * k].reshape(m, k))
+    kb = k // BLOCK
+    sq = (q.reshape(n, kb, BLOCK) * s[..., None]).reshape(n, k)
+    sz = np.repeat(s * z, BLOCK, axis=1)
+    with np.errstate(invalid="ignore", over="ignore"):
+        y[: m * n] = (xs @ sq.T - xv @ sz.T).astype(y.dtype).reshape(-1)
+
+
+def _register() -> dict[str, KernelSource]:
+    body = matmul._cuda_source()
+    out: dict[str, KernelSource] = {}
+    for depth, per_sm in RINGS:
+        name = _name("q4f8", f"d{depth}b{per_sm}", "bf16", RINGS)
+        d8, d16 = _WIDER[depth, per_sm]
+        warps = mx4f8.block_warps(per_sm)
+        entry = (
+            f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
+            "T* y, const T* x, const u8* b, const T* scales, const void* zp, int M, int N, "
+            f"int K, u32 flags) {{\n  epk::q4f8_gemv<{depth}, {d8}, {d16}, {warps}>(y, x, b, "
+            "(const u8*)scales, (const u8*)zp, M, N, K, flags);\n}\n"
+        )
+        out[name] = register_kernel(
+            KernelSource(
+                name=name,
+                source=f"{body}\ntypedef __nv_bfloat16 T;\n{entry}",
+                params=("bf16*", "bf16*", "u8*", "bf16*", "void*", *_SIZES),
+                options=CompileOptions(cuda_headers=True),
+                cpu=_twin,
+                pdl_wait="kernel",
+                targets=mx4f8._TARGETS,
+            )
+        )
+    return out
+
+
+Q4F8_KERNELS: dict[str, KernelSource] = _register()
