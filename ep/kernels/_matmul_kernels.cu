@@ -3236,27 +3236,35 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
 #undef F8_TRACE
 
 // D4, D8, D16: ring steps a warp at M <= 4, 8, 16 (the wider accumulators take registers); W
-// warps a block (8: two warpgroups; 24: an SM's six warpgroups in one block).
+// warps a block (8: two warpgroups; 24: an SM's six warpgroups in one block). The loop of format
+// F0, or F1 when `f1` (MXFP4: the exact scale decode; 4-bit: zero points given).
+template <int F0, int F1, int D4, int D8, int D16, int W>
+__device__ __forceinline__ void f8_gemv(__nv_bfloat16* __restrict__ y,
+                                        const __nv_bfloat16* __restrict__ x, const u8* b,
+                                        const void* scales, const void* zeros, int M, int N, int K,
+                                        u32 flags, bool f1, unsigned long long* trace) {
+  extern __shared__ __align__(128) u8 f8_xs[];
+  const int S = (K + 63) >> 6;
+  const uint4* wq = reinterpret_cast<const uint4*>(b);
+  if (M > 8) {
+    if (f1) f8_run<D16, 32, F1, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, trace);
+    else f8_run<D16, 32, F0, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, trace);
+  } else if (M > 4) {
+    if (f1) f8_run<D8, 16, F1, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, trace);
+    else f8_run<D8, 16, F0, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, trace);
+  } else {
+    if (f1) f8_run<D4, 8, F1, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, trace);
+    else f8_run<D4, 8, F0, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, trace);
+  }
+}
+
 template <int D4, int D8, int D16, int W = MX4F8_WARPS>
 __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
                                            const __nv_bfloat16* __restrict__ x, const u8* b,
                                            const u8* scales, int M, int N, int K, u32 flags,
                                            unsigned long long* trace = nullptr) {
-  extern __shared__ __align__(128) u8 f8_xs[];
-  const int S = (K + 63) >> 6;
-  const uint4* wq = reinterpret_cast<const uint4*>(b);
-  const bool xs = (flags & EPK_E8X) != 0;
-  constexpr int E = F8_MX4_EXACT;
-  if (M > 8) {
-    if (xs) f8_run<D16, 32, E, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
-    else f8_run<D16, 32, F8_MX4, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
-  } else if (M > 4) {
-    if (xs) f8_run<D8, 16, E, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
-    else f8_run<D8, 16, F8_MX4, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
-  } else {
-    if (xs) f8_run<D4, 8, E, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
-    else f8_run<D4, 8, F8_MX4, W>(y, x, wq, scales, nullptr, f8_xs, M, N, K, S, flags, trace);
-  }
+  f8_gemv<F8_MX4, F8_MX4_EXACT, D4, D8, D16, W>(y, x, b, scales, nullptr, M, N, K, flags,
+                                                (flags & EPK_E8X) != 0, trace);
 }
 
 // The 4-bit GEMV on the FP8 tensor cores (`ep_gemv_q4f8_bf16`): the same loop over a
@@ -3266,21 +3274,8 @@ __device__ __forceinline__ void q4f8_gemv(__nv_bfloat16* __restrict__ y,
                                           const __nv_bfloat16* __restrict__ x, const u8* b,
                                           const u8* scales, const u8* zeros, int M, int N, int K,
                                           u32 flags) {
-  extern __shared__ __align__(128) u8 f8_xs[];
-  const int S = (K + 63) >> 6;
-  const uint4* wq = reinterpret_cast<const uint4*>(b);
-  const bool zp = (flags & EPK_ZP) != 0;
-  constexpr int Z = F8_Q4_ZP;
-  if (M > 8) {
-    if (zp) f8_run<D16, 32, Z, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
-    else f8_run<D16, 32, F8_Q4, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
-  } else if (M > 4) {
-    if (zp) f8_run<D8, 16, Z, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
-    else f8_run<D8, 16, F8_Q4, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
-  } else {
-    if (zp) f8_run<D4, 8, Z, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
-    else f8_run<D4, 8, F8_Q4, W>(y, x, wq, scales, zeros, f8_xs, M, N, K, S, flags, nullptr);
-  }
+  f8_gemv<F8_Q4, F8_Q4_ZP, D4, D8, D16, W>(y, x, b, scales, zeros, M, N, K, flags,
+                                           (flags & EPK_ZP) != 0, nullptr);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -62,9 +62,12 @@ __all__ = [
     "RINGS",
     "RING_ENV",
     "PackedMX4F8",
+    "block_warps",
+    "f8_checks",
     "gemv_mx4_f8",
     "launch_shape",
     "pack_mx4f8",
+    "shared_bytes",
     "split_x",
     "tile_blocks",
     "unpack_mx4f8",
@@ -253,6 +256,24 @@ def shared_bytes(M: int, K: int) -> int:
     return 2 * _sizes(1, K)[1] * cols * 32 + 64
 
 
+def f8_checks(
+    op: str, dev: Device, M: int, x: Buffer, kernel: KernelSource, instead: tuple[str, str]
+) -> None:
+    """Refuse what an FP8 GEMV cannot run: M past the decode GEMV's rows, activations other than
+    bf16, a GPU without wgmma; ``instead``: the `ep.kernels.q4p` GEMV and packer to use then."""
+    dtype = _rows_and_dtype(op, M, x)
+    if dtype != matmul._BF16:
+        raise KernelArgumentError(
+            f"{op}: x is {dtype}; the FP8 GEMV takes bfloat16 activations (two e4m3 halves hold "
+            f"a bf16's 8 significant bits, not fp16's 11): use ep.kernels.q4p.{instead[0]}"
+        )
+    if dev.arch is not None and kernel_target(kernel, dev.arch) is None:
+        raise KernelUnavailableError(
+            f"{op}: the FP8 GEMV runs on wgmma, which only sm_90a (H100, H200) has; this GPU is "
+            f"{dev.arch}: use ep.kernels.q4p.{instead[0]} ({instead[1]}) there"
+        )
+
+
 def gemv_mx4_f8(
     dev: Device,
     out: Buffer,
@@ -272,18 +293,8 @@ def gemv_mx4_f8(
     default = "d8b3" if M <= 4 else "d8b1"  # RINGS: the comment above
     ring, per_sm = _ring(op, ring, RING_ENV, RINGS, default)
     N, K = w.N, w.K
-    dtype = _rows_and_dtype(op, M, x)
-    if dtype != matmul._BF16:
-        raise KernelArgumentError(
-            f"{op}: x is {dtype}; the FP8 GEMV takes bfloat16 activations (two e4m3 halves hold "
-            "a bf16's 8 significant bits, not fp16's 11): use ep.kernels.q4p.gemv_mx4_packed"
-        )
     name = _name("mx4f8", ring, "bf16", RINGS)
-    if dev.arch is not None and kernel_target(MX4F8_KERNELS[name], dev.arch) is None:
-        raise KernelUnavailableError(
-            f"{op}: the FP8 GEMV runs on wgmma, which only sm_90a (H100, H200) has; this GPU is "
-            f"{dev.arch}: use ep.kernels.q4p.gemv_mx4_packed (pack_mx4) there"
-        )
+    f8_checks(op, dev, M, x, MX4F8_KERNELS[name], ("gemv_mx4_packed", "pack_mx4"))
     T, S, blocks, sizes = launch_shape(dev, N, K, per_sm)
     flags = mx4_arguments(
         op, dev, out, x, w.weights, w.scales, M=M, N=N, K=K, sizes=sizes, resident=resident,

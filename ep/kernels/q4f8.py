@@ -33,13 +33,11 @@ from ep.device import (
     Device,
     KernelSource,
     Stream,
-    kernel_target,
     register_kernel,
 )
-from ep.errors import KernelArgumentError, KernelUnavailableError
 from ep.kernels import matmul, mx4f8
 from ep.kernels.matmul import _FLAG_EARLY, _FLAG_ZP, _buffer, _disjoint, _x16
-from ep.kernels.q4p import _SIZES, _name, _ring, _rows_and_dtype
+from ep.kernels.q4p import _SIZES, _name, _ring
 from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
 
 __all__ = [
@@ -220,27 +218,17 @@ def gemv_q4_f8(
     op = "gemv_q4_f8"
     ring, per_sm = _ring(op, ring, RING_ENV, RINGS)
     N, K = w.N, w.K
-    dtype = _rows_and_dtype(op, M, x)
-    if dtype != matmul._BF16:
-        raise KernelArgumentError(
-            f"{op}: x is {dtype}; the FP8 GEMV takes bfloat16 activations (two e4m3 halves hold "
-            "a bf16's 8 significant bits, not fp16's 11): use ep.kernels.q4p.gemv_q4_packed"
-        )
     name = _name("q4f8", ring, "bf16", RINGS)
-    if dev.arch is not None and kernel_target(Q4F8_KERNELS[name], dev.arch) is None:
-        raise KernelUnavailableError(
-            f"{op}: the FP8 GEMV runs on wgmma, which only sm_90a (H100, H200) has; this GPU is "
-            f"{dev.arch}: use ep.kernels.q4p.gemv_q4_packed (pack_q4) there"
-        )
+    mx4f8.f8_checks(op, dev, M, x, Q4F8_KERNELS[name], ("gemv_q4_packed", "pack_q4"))
     T, S, blocks, (wbytes, _) = mx4f8.launch_shape(dev, N, K, per_sm)
-    _buffer(op, dev, "x", x, M * K, dtype)
+    _buffer(op, dev, "x", x, M * K, _BF16)
     _buffer(op, dev, "weights", w.weights, wbytes, np.dtype(np.uint8))
     _buffer(op, dev, "scales", w.scales, T * S * 128, _BF16)
     inputs = {"x": x, "weights": w.weights, "scales": w.scales}
     if w.zeros is not None:
         _buffer(op, dev, "zeros", w.zeros, T * S * 32, np.dtype(np.uint16))
         inputs["zeros"] = w.zeros
-    _buffer(op, dev, "out", out, M * N, dtype)
+    _buffer(op, dev, "out", out, M * N, _BF16)
     _disjoint(op, out, inputs)
     flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_ZP if w.zeros is not None else 0)
     zeros = w.zeros if w.zeros is not None else w.weights  # never read without EPK_ZP

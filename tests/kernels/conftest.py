@@ -21,7 +21,8 @@ import pytest
 from _devices import cuda_or_skip
 
 import ep.kernels  # noqa: F401  (registers every kernel)
-from ep.device import CACHE_ENV, Buffer, Device, get_device
+from ep.device import CACHE_ENV, Buffer, Device, get_device, kernel_target
+from ep.kernels.mx4f8 import MX4F8_KERNELS
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -47,6 +48,18 @@ def cpu_device() -> Device:
 def device(request: pytest.FixtureRequest) -> Device:
     """Each test once on the CPU (NumPy twins) and once on the GPU (marked ``cuda``)."""
     return cuda_or_skip() if request.param == "cuda" else get_device("cpu")
+
+
+@pytest.fixture
+def f8_device(device: Device) -> Device:
+    """`device` where the FP8 GEMVs (`ep.kernels.mx4f8`, `ep.kernels.q4f8`: wgmma, sm_90a) exist:
+    the CPU (their twins) or an sm_90 GPU."""
+    if (
+        device.arch is not None
+        and kernel_target(MX4F8_KERNELS["ep_gemv_mx4f8_bf16"], device.arch) is None
+    ):
+        pytest.skip(f"the FP8 GEMVs need sm_90a (wgmma); this GPU is {device.arch}")
+    return device
 
 
 @pytest.fixture

@@ -1,10 +1,12 @@
-"""A GEMV weight of every format for the kernel tests of the GEMV epilogues."""
+"""A GEMV weight of every format for the kernel tests of the GEMV epilogues, and the checks the
+packed and FP8 GEMV tests share."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from ep.device import Buffer, Device, KernelSource
@@ -60,6 +62,46 @@ class GemvCase:
         if self.fmt.startswith("q4"):
             return gemm_nbits(dev, out, x, *self.weights, block_size=32, **common)
         return gemm_mxfp4(dev, out, x, *self.weights, **common)
+
+
+def check_decode_gemv(
+    dev: Device,
+    rng: np.random.Generator,
+    upload: Upload,
+    poison: Callable[[Buffer], None],
+    run: Callable[..., MatmulPlan],
+    dense: np.ndarray,
+    kernel: Callable[[int], str],
+    bound: float,
+) -> None:
+    """A bf16 decode GEMV (``run(out, x, M, **kwargs)`` over one weight, ``dense`` [N, K] its
+    dequantized values) at every M of 1 to 16 against the float64 product, its plan's kernel
+    ``kernel(M)``; at M = 4, 8, 16 a row's bits do not depend on the other rows, and x 4 bytes
+    past a 16-byte boundary (the 4-byte loads) gives the same bits."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    s = dev.default_stream
+    N, K = dense.shape
+    for M in range(1, 17):
+        x = (rng.standard_normal((M, K)) * 4).astype(bf16)
+        out = dev.alloc((M, N), bf16, stream=s)
+        poison(out)
+        plan = run(out, upload(dev, x), M, resident=True)
+        assert plan.kernel == kernel(M)
+        host = out.to_host(stream=s)
+        want = x.astype(np.float64) @ dense.T
+        err = np.abs(host.astype(np.float64) - want).max() / np.abs(want).max()
+        assert err < bound, (M, err)
+        if M in (4, 8, 16):
+            solo = dev.alloc((1, N), bf16, stream=s)
+            run(solo, upload(dev, x[3:4]), 1)
+            alone = solo.to_host(stream=s)[0]
+            np.testing.assert_array_equal(alone.view(np.uint16), host[3].view(np.uint16))
+            padded = upload(dev, np.concatenate([np.zeros(2, bf16), x.reshape(-1)]))
+            poison(out)
+            run(out, padded.view(bf16, (M, K), offset=4), M)
+            np.testing.assert_array_equal(
+                out.to_host(stream=s).view(np.uint16), host.view(np.uint16)
+            )
 
 
 def check_exact_scales(

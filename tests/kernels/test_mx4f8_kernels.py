@@ -14,11 +14,12 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 import pytest
-from gemv_case import check_exact_scales, ptx_of
+from gemv_case import check_decode_gemv, check_exact_scales, ptx_of
 
 from ep.device import Buffer, Device, KernelRegistry, compile_all, compile_kernel, kernel_target
 from ep.errors import KernelArgumentError, KernelRegistryError, KernelUnavailableError
 from ep.kernels import mx4f8
+from ep.kernels.matmul import MatmulPlan
 from ep.kernels.mx4f8 import (
     MX4F8_KERNELS,
     RINGS,
@@ -36,15 +37,6 @@ BOUND = 1e-2  # bf16: a result rounded once (the sums are fp32)
 
 Upload = Callable[..., Buffer]
 Poison = Callable[[Buffer], None]
-
-
-@pytest.fixture
-def f8_device(device: Device) -> Device:
-    """`device`, where the kernel exists: the CPU (its twin) or an sm_90 GPU."""
-    kernel = MX4F8_KERNELS["ep_gemv_mx4f8_bf16"]
-    if device.arch is not None and kernel_target(kernel, device.arch) is None:
-        pytest.skip(f"ep_gemv_mx4f8 needs sm_90a (wgmma); this GPU is {device.arch}")
-    return device
 
 
 def _weight(
@@ -120,29 +112,14 @@ def test_gemv_is_the_product_of_the_dequantized_weights(
     dense = dequantize_mxfp4(b, scales).astype(np.float64)
     w = upload_mx4f8(dev, b, scales, N=N, K=K, stream=s)
     assert not w.exact
-    for M in range(1, 17):
-        x = (rng.standard_normal((M, K)) * 4).astype(BF16)
-        out = dev.alloc((M, N), BF16, stream=s)
-        poison(out)
-        plan = gemv_mx4_f8(dev, out, upload(dev, x), w, M=M, stream=s, resident=True)
-        assert plan.kernel == ("ep_gemv_mx4f8_bf16" if M <= 4 else "ep_gemv_mx4f8_d8b1_bf16")
-        host = out.to_host(stream=s)
-        want = x.astype(np.float64) @ dense.T
-        err = np.abs(host.astype(np.float64) - want).max() / np.abs(want).max()
-        assert err < BOUND, (M, err)
-        if M in (4, 8, 16):  # a row's sums do not depend on the other rows (every width)
-            solo = dev.alloc((1, N), BF16, stream=s)
-            gemv_mx4_f8(dev, solo, upload(dev, x[3:4]), w, M=1, stream=s)
-            alone = solo.to_host(stream=s)[0]
-            np.testing.assert_array_equal(alone.view(np.uint16), host[3].view(np.uint16))
-            # x 4 bytes past a 16-byte boundary: the 4-byte loads, the same bits
-            padded = upload(dev, np.concatenate([np.zeros(2, BF16), x.reshape(-1)]))
-            shifted = padded.view(BF16, (M, K), offset=4)
-            poison(out)
-            gemv_mx4_f8(dev, out, shifted, w, M=M, stream=s)
-            np.testing.assert_array_equal(
-                out.to_host(stream=s).view(np.uint16), host.view(np.uint16)
-            )
+
+    def run(out: Buffer, x: Buffer, M: int, **kwargs: bool) -> MatmulPlan:
+        return gemv_mx4_f8(dev, out, x, w, M=M, stream=s, **kwargs)
+
+    def kernel(M: int) -> str:
+        return "ep_gemv_mx4f8_bf16" if M <= 4 else "ep_gemv_mx4f8_d8b1_bf16"
+
+    check_decode_gemv(dev, rng, upload, poison, run, dense, kernel, BOUND)
 
 
 def test_exact_scales_and_non_finite_rows(

@@ -13,11 +13,12 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 import pytest
-from gemv_case import ptx_of
+from gemv_case import check_decode_gemv, ptx_of
 
 from ep.device import Buffer, Device, kernel_target
 from ep.errors import KernelArgumentError, KernelUnavailableError
 from ep.kernels import q4f8
+from ep.kernels.matmul import MatmulPlan
 from ep.kernels.q4f8 import (
     Q4F8_KERNELS,
     RINGS,
@@ -35,15 +36,6 @@ BOUND = 1e-2  # bf16: a result rounded once (the sums are fp32)
 
 Upload = Callable[..., Buffer]
 Poison = Callable[[Buffer], None]
-
-
-@pytest.fixture
-def f8_device(device: Device) -> Device:
-    """`device`, where the kernel exists: the CPU (its twin) or an sm_90 GPU."""
-    kernel = Q4F8_KERNELS["ep_gemv_q4f8_bf16"]
-    if device.arch is not None and kernel_target(kernel, device.arch) is None:
-        pytest.skip(f"ep_gemv_q4f8 needs sm_90a (wgmma); this GPU is {device.arch}")
-    return device
 
 
 def _weight(
@@ -116,29 +108,11 @@ def test_gemv_is_the_product_of_the_dequantized_weights(
     b, scales, zeros = _weight(rng, N, K, zp)
     dense = dequantize_nbits(b, scales, zeros, K=K, N=N, block_size=32).astype(np.float64)
     w = upload_q4f8(dev, b, scales, zeros, N=N, K=K, stream=s)
-    for M in range(1, 17):
-        x = (rng.standard_normal((M, K)) * 4).astype(BF16)
-        out = dev.alloc((M, N), BF16, stream=s)
-        poison(out)
-        plan = gemv_q4_f8(dev, out, upload(dev, x), w, M=M, stream=s, resident=True)
-        assert plan.kernel == "ep_gemv_q4f8_bf16"
-        host = out.to_host(stream=s)
-        want = x.astype(np.float64) @ dense.T
-        err = np.abs(host.astype(np.float64) - want).max() / np.abs(want).max()
-        assert err < BOUND, (M, err)
-        if M in (4, 8, 16):  # a row's sums do not depend on the other rows (every width)
-            solo = dev.alloc((1, N), BF16, stream=s)
-            gemv_q4_f8(dev, solo, upload(dev, x[3:4]), w, M=1, stream=s)
-            alone = solo.to_host(stream=s)[0]
-            np.testing.assert_array_equal(alone.view(np.uint16), host[3].view(np.uint16))
-            # x 4 bytes past a 16-byte boundary: the 4-byte loads, the same bits
-            padded = upload(dev, np.concatenate([np.zeros(2, BF16), x.reshape(-1)]))
-            shifted = padded.view(BF16, (M, K), offset=4)
-            poison(out)
-            gemv_q4_f8(dev, out, shifted, w, M=M, stream=s)
-            np.testing.assert_array_equal(
-                out.to_host(stream=s).view(np.uint16), host.view(np.uint16)
-            )
+
+    def run(out: Buffer, x: Buffer, M: int, **kwargs: bool) -> MatmulPlan:
+        return gemv_q4_f8(dev, out, x, w, M=M, stream=s, **kwargs)
+
+    check_decode_gemv(dev, rng, upload, poison, run, dense, lambda M: "ep_gemv_q4f8_bf16", BOUND)
 
 
 def test_a_row_of_x_with_inf_is_nan_and_a_zero_row_is_zero(
