@@ -3030,7 +3030,8 @@ __device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
         part += __shfl_xor_sync(0xFFFFFFFFu, part, 2);
         if (c >= padded) continue;
         const int blk = c >> 2;
-        if ((lane & 3) == 0) xsum[((blk >> 1) * (NB >> 1) + m) * 2 + (blk & 1)] = part * f * 0x1p-9f;
+        if ((lane & 3) == 0)
+          xsum[((blk >> 1) * (NB >> 1) + m) * 2 + (blk & 1)] = part * f * 0x1p-9f;
       }
       const int k = c << 3;  // a chunk is 8 bytes of one k half of one block's tile
       u8* at = xs + (k >> 5) * (NB * 32) + ((k >> 4) & 1) * (NB * 16) + (k & 15);
