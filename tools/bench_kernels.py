@@ -286,38 +286,54 @@ def _weights(fmt: str, rng: np.random.Generator, K: int, N: int) -> dict[str, np
     return w
 
 
-def _reference(
-    fmt: str, x: np.ndarray, w: dict[str, np.ndarray], K: int, N: int, cols: slice | None = None
-) -> np.ndarray:
-    """The reference product, or its output columns ``cols`` (computed from those rows only)."""
-    r = cols if cols is not None else slice(0, N)
-    n = r.stop - r.start
+# The repacked formats' layouts: (rows a unit, elements a unit takes a 64-k step of its weights,
+# scales and zero points), so that `_dense_rows` decodes only the units holding its rows.
+_PACKED = {"q4p": (16, (512, 32, 8)), "mx4p": (16, (512, 32)), "q4f8": (64, (2048, 128, 32)),
+           "mx4f8": (64, (2048, 128))}  # fmt: skip
+
+
+def _dense_rows(fmt: str, w: dict[str, np.ndarray], K: int, N: int, r: slice) -> np.ndarray:
+    """Rows ``r`` of the weight as the reference multiplies it: float32 [rows, K] (W[r] of
+    ``y = x @ W.T``), decoded from those rows' bytes only."""
     fmt, _ = _symmetric(fmt)
     zp = w.get("zp")  # 4-bit: None for symmetric weights
-    if fmt in ("bf16-nk", "bf16-kn"):
-        wt = w["w"].astype(np.float32)
-        wt = wt[r] if fmt == "bf16-nk" else wt[:, r]
-        return np.matmul(x.astype(np.float32), wt.T if fmt == "bf16-nk" else wt).astype(BF16)
-    if fmt.startswith(("q4p", "q4f8", "mx4p", "mx4f8")):
-        if fmt.startswith("q4p"):
-            dense = q4p.unpack_q4(w["b"], w["scales"], zp, N=N, K=K)[r]
-        elif fmt.startswith("q4f8"):
-            dense = q4f8.unpack_q4f8(w["b"], w["scales"], zp, N=N, K=K)[r]
-        elif fmt.startswith("mx4p"):
-            dense = q4p.unpack_mx4(w["b"], w["scales"], N=N, K=K, dtype=BF16)[r]
+    n = r.stop - r.start
+    family = fmt.partition("-")[0]
+    if family in _PACKED:
+        unit, sizes = _PACKED[family]
+        steps = -(-K // 64)
+        t0, t1 = r.start // unit, -(-r.stop // unit)
+        rows = min(N, t1 * unit) - t0 * unit
+        arrays = [w["b"], w["scales"], zp][: len(sizes)]
+        b, scales, *z = [
+            None if a is None else a[t0 * steps * e : t1 * steps * e]
+            for a, e in zip(arrays, sizes, strict=True)
+        ]
+        assert b is not None and scales is not None
+        if family == "q4p":
+            dense = q4p.unpack_q4(b, scales, z[0], N=rows, K=K)
+        elif family == "q4f8":
+            dense = q4f8.unpack_q4f8(b, scales, z[0], N=rows, K=K)
+        elif family == "mx4p":
+            dense = q4p.unpack_mx4(b, scales, N=rows, K=K, dtype=BF16)
         else:
-            dense = mx4f8.unpack_mx4f8(w["b"], w["scales"], N=N, K=K)[r]
-        return np.matmul(x.astype(np.float32), dense.T).astype(BF16)
+            dense = mx4f8.unpack_mx4f8(b, scales, N=rows, K=K)
+        return dense[r.start - t0 * unit : r.stop - t0 * unit]
+    if fmt == "bf16-nk":
+        return w["w"][r].astype(np.float32)
+    if fmt == "bf16-kn":
+        return w["w"][:, r].T.astype(np.float32)
     if fmt == "q4":
-        kb = -(-K // 32)
-        zr = (kb + 1) // 2
+        kb, zr = -(-K // 32), (-(-K // 32) + 1) // 2
+        zeros = None if zp is None else zp[r.start * zr : r.stop * zr]
         scales = w["scales"][r.start * kb : r.stop * kb]
-        if zp is None:
-            return ref.matmul_nbits(x, w["b"][r], scales, K=K, N=n, bits=4, block_size=32)
-        return ref.matmul_nbits_zp(
-            x, w["b"][r], scales, zp[r.start * zr : r.stop * zr], K=K, N=n, bits=4, block_size=32
-        )
-    return ref.matmul_mxfp4(x, w["b"][r], w["scales"][r], K=K, N=n)
+        return ref.dequantize_nbits(w["b"][r], scales, zeros, K=K, N=n, block_size=32)
+    return ref.dequantize_mxfp4(w["b"][r], w["scales"][r]).reshape(n, K)
+
+
+def _reference(x: np.ndarray, dense: np.ndarray) -> np.ndarray:
+    """The reference product of x and `_dense_rows`' rows: float32 sums, rounded to bf16 once."""
+    return np.matmul(x.astype(np.float32), dense.T).astype(BF16)
 
 
 def _launch(
@@ -397,20 +413,21 @@ def bench_gemv(
             dev.copy(pool[-1][k], b, stream=s)
     launches = max(copies, 8)
     out_rows: list[Row] = []
+    # A reference check; the NumPy reference of a big one runs on its first and last 1024 output
+    # columns only (decoding the whole weight is slow), the same rows for every M.
+    parts = [slice(0, N)] if N * K <= 5_000_000 else [slice(0, 1024), slice(N - 1024, N)]
+    dense = [_dense_rows(fmt, host, K, N, r) for r in parts]
     for M in rows:
         x = dev.alloc((M, K), BF16, stream=s, name="x")
         out = dev.alloc((M, N), BF16, stream=s, name="y")
-        # A reference check; the NumPy reference of a big one runs on its first and last 1024
-        # output columns only (the whole one is slow).
         xh = _bf16(rng, (M, K))
         x.copy_from_host(xh, stream=s)
         dev.fill(out, float("nan"), stream=s)
         _launch(fmt, dev, out, x, first, M, K, N, ws)
         got_all = out.to_host(stream=s).astype(np.float64)
-        parts = [slice(0, N)] if N * K <= 5_000_000 else [slice(0, 1024), slice(N - 1024, N)]
         err = 0.0
-        for r in parts:
-            want = _reference(fmt, xh, host, K, N, r).astype(np.float64)
+        for r, d in zip(parts, dense, strict=True):
+            want = _reference(xh, d).astype(np.float64)
             err = max(
                 err, float(np.abs(got_all[:, r] - want).max() / max(np.abs(want).max(), 1e-30))
             )

@@ -1,15 +1,46 @@
 """tools/bench_kernels.py on the CPU device (a smoke run of its NumPy twins): the 4-bit formats
-with zero points and symmetric (``+sym``), each checked against its reference by the tool."""
+with zero points and symmetric (``+sym``), each checked against its reference by the tool; and
+its reference rows, decoded from a slice of a repacked weight, against the whole weight's."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "bench_kernels.py"
+
+
+def _module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_kernels", TOOL)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_kernels"] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "fmt", ["bf16-nk", "bf16-kn", "q4", "q4+sym", "q4p", "q4p+sym", "q4f8", "q4f8+sym", "mxfp4",
+            "mx4p", "mx4f8"],
+)  # fmt: skip
+def test_reference_rows_are_the_whole_weights_rows(fmt: str) -> None:
+    """Rows 40 .. 269 of a 300-row weight (from inside a 16- and a 64-row unit to the partial
+    last one) decode to the same values from their units' bytes as from the whole weight."""
+    bench = _module()
+    K, N = 128, 300
+    w = bench._weights(fmt, np.random.default_rng(3), K, N)
+    whole = bench._dense_rows(fmt, w, K, N, slice(0, N))
+    assert whole.shape == (N, K)
+    for r in (slice(40, 270), slice(0, 64), slice(N - 17, N)):
+        np.testing.assert_array_equal(bench._dense_rows(fmt, w, K, N, r), whole[r])
 
 
 def test_the_4_bit_formats_run_with_and_without_zero_points(tmp_path: Path) -> None:
