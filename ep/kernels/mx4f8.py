@@ -64,6 +64,7 @@ __all__ = [
     "PackedMX4F8",
     "block_warps",
     "f8_checks",
+    "f8_launch",
     "gemv_mx4_f8",
     "launch_shape",
     "pack_mx4f8",
@@ -300,13 +301,24 @@ def gemv_mx4_f8(
         op, dev, out, x, w.weights, w.scales, M=M, N=N, K=K, sizes=sizes, resident=resident,
         exact=w.exact,
     )  # fmt: skip
+    return f8_launch(
+        dev, name, "MXFP4", per_sm, (T, S, blocks), shared_bytes(M, K),
+        [out, x, w.weights, w.scales, M, N, K, flags], stream=stream,
+    )  # fmt: skip
+
+
+def f8_launch(
+    dev: Device, name: str, what: str, per_sm: int, shape: tuple[int, int, int], shared: int,
+    args: list[object], *, stream: Stream,
+) -> matmul.MatmulPlan:  # fmt: skip
+    """Launch the FP8 GEMV kernel ``name`` of a ring with ``per_sm`` blocks an SM on its
+    persistent grid (``shape``: `launch_shape`'s tiles, steps and blocks); its plan."""
+    T, S, blocks = shape
     warps = block_warps(per_sm)
-    shared = shared_bytes(M, K)
-    dev.kernel(name).launch(blocks, 32 * warps, out, x, w.weights, w.scales, M, N, K, flags,
-                            stream=stream, shared_mem=shared)  # fmt: skip
+    dev.kernel(name).launch(blocks, 32 * warps, *args, stream=stream, shared_mem=shared)
     return matmul.MatmulPlan(
         name, "gemv", (blocks, 1, 1), 32 * warps, 1, 1,
-        f"MXFP4 GEMV on the FP8 tensor cores: {T} tiles of 64 rows over {blocks} persistent "
+        f"{what} GEMV on the FP8 tensor cores: {T} tiles of 64 rows over {blocks} persistent "
         f"blocks x {warps // 4} warpgroups, {S} steps of 64 k a tile", shared,
     )  # fmt: skip
 

@@ -232,14 +232,9 @@ def gemv_q4_f8(
     _disjoint(op, out, inputs)
     flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_ZP if w.zeros is not None else 0)
     zeros = w.zeros if w.zeros is not None else w.weights  # never read without EPK_ZP
-    warps = mx4f8.block_warps(per_sm)
-    shared = shared_bytes(M, K)
-    dev.kernel(name).launch(blocks, 32 * warps, out, x, w.weights, w.scales, zeros, M, N, K,
-                            flags, stream=stream, shared_mem=shared)  # fmt: skip
-    return matmul.MatmulPlan(
-        name, "gemv", (blocks, 1, 1), 32 * warps, 1, 1,
-        f"4-bit GEMV on the FP8 tensor cores: {T} tiles of 64 rows over {blocks} persistent "
-        f"blocks x {warps // 4} warpgroups, {S} steps of 64 k a tile", shared,
+    return mx4f8.f8_launch(
+        dev, name, "4-bit", per_sm, (T, S, blocks), shared_bytes(M, K),
+        [out, x, w.weights, w.scales, zeros, M, N, K, flags], stream=stream,
     )  # fmt: skip
 
 
