@@ -104,6 +104,31 @@ def check_decode_gemv(
             )
 
 
+def check_ring_matches_default(
+    dev: Device,
+    rng: np.random.Generator,
+    upload: Upload,
+    run: Callable[..., MatmulPlan],
+    shape: tuple[int, int],
+    ring: str,
+    kernels: tuple[str, str],
+) -> None:
+    """A ring variant (``run(out, x, M, ring=ring)``) at every accumulator width (M = 1, 6, 13)
+    stores the default ring's bits; its plan's kernel is one of ``kernels`` (the variant's, or
+    the default's when ``ring`` is the default)."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    s = dev.default_stream
+    N, K = shape
+    for M in (1, 6, 13):
+        x = upload(dev, rng.standard_normal((M, K)).astype(bf16))
+        ref, got = (dev.alloc((M, N), bf16, stream=s) for _ in range(2))
+        run(ref, x, M)
+        assert run(got, x, M, ring=ring).kernel in kernels
+        np.testing.assert_array_equal(
+            got.to_host(stream=s).view(np.uint16), ref.to_host(stream=s).view(np.uint16)
+        )
+
+
 def check_exact_scales(
     got: np.ndarray, x: np.ndarray, b: np.ndarray, scales: np.ndarray, bound: float, *, tiny: bool
 ) -> None:
