@@ -1,11 +1,14 @@
-"""Shared fixtures: isolated plugin hosts, throw-away plugin modules, CUDA skipping."""
+"""Shared fixtures: isolated plugin hosts, throw-away plugin modules, CUDA skipping, tools/
+scripts imported as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -13,6 +16,7 @@ from ep.plugins import reset_host
 
 DATA = Path(__file__).parent / "data"
 TINY = DATA / "genai-llama-tiny"
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
 
 
 @pytest.fixture(autouse=True)
@@ -44,3 +48,19 @@ def plugin_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[[
     yield make  # type: ignore[misc]  # a generator fixture
     for name in made:
         sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def load_tool(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], ModuleType]:
+    """``load_tool("bench_native")``: tools/bench_native.py imported as when run as a script."""
+
+    def load(name: str) -> ModuleType:
+        monkeypatch.syspath_prepend(str(TOOLS))  # its own imports: tools/_bench.py
+        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)  # its dataclasses look it up
+        spec.loader.exec_module(module)
+        return module
+
+    return load

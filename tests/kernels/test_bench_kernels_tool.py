@@ -4,12 +4,12 @@ its reference rows, decoded from a slice of a repacked weight, against the whole
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -18,23 +18,16 @@ ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "bench_kernels.py"
 
 
-def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_kernels", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_kernels"] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize(
     "fmt", ["bf16-nk", "bf16-kn", "q4", "q4+sym", "q4p", "q4p+sym", "q4f8", "q4f8+sym", "mxfp4",
             "mx4p", "mx4f8"],
 )  # fmt: skip
-def test_reference_rows_are_the_whole_weights_rows(fmt: str) -> None:
+def test_reference_rows_are_the_whole_weights_rows(
+    fmt: str, load_tool: Callable[[str], ModuleType]
+) -> None:
     """Rows 40 .. 269 of a 300-row weight (from inside a 16- and a 64-row unit to the partial
     last one) decode to the same values from their units' bytes as from the whole weight."""
-    bench = _module()
+    bench = load_tool("bench_kernels")
     K, N = 128, 300
     w = bench._weights(fmt, np.random.default_rng(3), K, N)
     whole = bench._dense_rows(fmt, w, K, N, slice(0, N))

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -18,14 +18,7 @@ from ep.kernels.mx4f8 import MX4F8_KERNELS
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "trace_mx4f8.py"
-
-
-def _module() -> Any:
-    spec = importlib.util.spec_from_file_location("trace_mx4f8", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+LoadTool = Callable[[str], ModuleType]  # the load_tool fixture (tests/conftest.py)
 
 
 def _records() -> np.ndarray:
@@ -41,8 +34,8 @@ def _records() -> np.ndarray:
     return t
 
 
-def test_the_summary_names_each_phase_of_each_launch() -> None:
-    lines = _module().summarise(_records())
+def test_the_summary_names_each_phase_of_each_launch(load_tool: LoadTool) -> None:
+    lines = load_tool("trace_mx4f8").summarise(_records())
     assert lines[0].startswith("launch 0: span 23.50 us, start - previous end -")
     assert "starts 1.50/2.70/3.00" in lines[0]  # p50 / p90 / max
     assert "PDL wait 2.00/2.00/2.00" in lines[0] and "staging 1.50/1.50/1.50" in lines[0]
@@ -55,10 +48,10 @@ def test_the_summary_names_each_phase_of_each_launch() -> None:
     assert lines[5].endswith("min 15.00 15.75/16.35/16.50")  # SM 0: 15.0, SM 1: 16.5
 
 
-def test_only_the_traced_kernel_reads_the_timer() -> None:
+def test_only_the_traced_kernel_reads_the_timer(load_tool: LoadTool) -> None:
     """EPK_TRACE adds the timestamps; without it the kernel has none of them (its cubin is the
     untraced kernel's: the instrumentation compiles to nothing)."""
-    traced = ptx_of(_module().trace_source("d8b3"))
+    traced = ptx_of(load_tool("trace_mx4f8").trace_source("d8b3"))
     assert "%globaltimer" in traced and "%smid" in traced
     plain = ptx_of(MX4F8_KERNELS["ep_gemv_mx4f8_bf16"])
     assert "%globaltimer" not in plain and "%smid" not in plain
@@ -77,7 +70,7 @@ def test_an_unknown_ring_is_refused() -> None:
     assert run.returncode == 2 and "expected one of d8b3, d12b2, d8b2" in run.stderr
 
 
-def test_saved_records_are_summarised_without_a_gpu(tmp_path: Path) -> None:
+def test_saved_records_are_summarised_without_a_gpu(tmp_path: Path, load_tool: LoadTool) -> None:
     path = tmp_path / "trace.npz"
     np.savez_compressed(path, records=_records())
     run = subprocess.run(
@@ -85,4 +78,4 @@ def test_saved_records_are_summarised_without_a_gpu(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
-    assert run.stdout.splitlines() == _module().summarise(_records())
+    assert run.stdout.splitlines() == load_tool("trace_mx4f8").summarise(_records())

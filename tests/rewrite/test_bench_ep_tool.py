@@ -2,26 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("source", ["build", "rewrite"])
 def test_bench_ep_vs_contrib_smoke_run(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    load_tool: Callable[[str], ModuleType],
 ) -> None:
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # as when run as a script: tools/_bench.py
-    spec = importlib.util.spec_from_file_location(
-        "bench_ep_vs_contrib", ROOT / "tools" / "bench_ep_vs_contrib.py"
-    )
-    assert spec is not None and spec.loader is not None
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("bench_ep_vs_contrib")
     out = tmp_path / "bench.json"
     argv = ["--from", source, "--batch", "1", "2", "--new-tokens", "3", "--repeats", "2"]
     assert tool.main([*argv, "--json", str(out)]) == 0
