@@ -1,6 +1,6 @@
 """Where a launch of the FP8 MXFP4 GEMV (``ep_gemv_mx4f8_bf16``) spends its time, on a GPU.
 
-The kernel compiled with ``EPK_TRACE`` (the .cu file, ``mx4f8_run``) has each warpgroup record
+The kernel compiled with ``EPK_TRACE`` (the .cu file, ``f8_run``) has each warpgroup record
 the global timer at its start, after the PDL wait, after staging x and at its end, plus its SM
 and its steps. A graph of L launches over a pool of weight copies (each launch reads its weights
 from HBM, as in ``tools/bench_kernels.py``) is replayed; the last replay's records are
@@ -31,10 +31,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ep.device import CompileOptions, KernelSource, get_device, register_kernel
+from ep.device import KernelSource, get_device, register_kernel
 from ep.errors import DeviceUnavailableError
-from ep.kernels import matmul, mx4f8
-from ep.kernels.q4p import _SIZES
+from ep.kernels import mx4f8
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FIELDS = (
@@ -52,24 +51,7 @@ FIELDS = (
 def trace_source(ring: str) -> KernelSource:
     """The ``ring`` variant compiled with EPK_TRACE (a trace pointer as its last argument)."""
     depth, per_sm = (int(v) for v in ring[1:].split("b"))
-    d8, d16 = mx4f8._WIDER[depth, per_sm]
-    warps = mx4f8.block_warps(per_sm)
-    name = f"ep_gemv_mx4f8_trace_{ring}_bf16"
-    entry = (
-        f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
-        "T* y, const T* x, const u8* b, const u8* scales, int M, int N, int K, u32 flags, "
-        "unsigned long long* trace) {\n"
-        f"  epk::mx4f8_gemv<{depth}, {d8}, {d16}, {warps}>(y, x, b, scales, M, N, K, flags, "
-        "trace);\n}\n"
-    )
-    return KernelSource(
-        name=name,
-        source=f"{matmul._cuda_source()}\ntypedef __nv_bfloat16 T;\n{entry}",
-        params=("bf16*", "bf16*", "u8*", "u8*", *_SIZES, "u64*"),
-        options=CompileOptions(cuda_headers=True, defines=(("EPK_TRACE", "1"),)),
-        pdl_wait="kernel",
-        targets=("sm_90a",),
-    )
+    return mx4f8.kernel_source(f"ep_gemv_mx4f8_trace_{ring}_bf16", depth, per_sm, trace=True)
 
 
 def spread(v: np.ndarray) -> str:

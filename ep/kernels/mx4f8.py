@@ -66,6 +66,7 @@ __all__ = [
     "f8_checks",
     "f8_launch",
     "gemv_mx4_f8",
+    "kernel_source",
     "launch_shape",
     "pack_mx4f8",
     "shared_bytes",
@@ -335,30 +336,34 @@ def _twin(
         y[: m * n] = (xs @ w.T).astype(y.dtype).reshape(-1)
 
 
+def kernel_source(name: str, depth: int, per_sm: int, *, trace: bool = False) -> KernelSource:
+    """The kernel ``name`` of ring (``depth``, ``per_sm``); ``trace``: compiled with EPK_TRACE
+    and a trace pointer as its last argument (tools/trace_mx4f8.py), without a NumPy twin."""
+    d8, d16 = _WIDER[depth, per_sm]
+    warps = block_warps(per_sm)
+    param, arg = (", unsigned long long* trace", ", trace") if trace else ("", "")
+    entry = (
+        f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
+        f"T* y, const T* x, const u8* b, const u8* scales, int M, int N, int K, u32 flags{param}) "
+        f"{{\n  epk::mx4f8_gemv<{depth}, {d8}, {d16}, {warps}>(y, x, b, scales, M, N, K, "
+        f"flags{arg});\n}}\n"
+    )
+    return KernelSource(
+        name=name,
+        source=f"{matmul._cuda_source()}\ntypedef __nv_bfloat16 T;\n{entry}",
+        params=("bf16*", "bf16*", "u8*", "u8*", *_SIZES, *(("u64*",) if trace else ())),
+        options=CompileOptions(cuda_headers=True, defines=(("EPK_TRACE", "1"),) if trace else ()),
+        cpu=None if trace else _twin,
+        pdl_wait="kernel",
+        targets=_TARGETS,
+    )
+
+
 def _register() -> dict[str, KernelSource]:
-    body = matmul._cuda_source()
     out: dict[str, KernelSource] = {}
     for depth, per_sm in RINGS:
         name = _name("mx4f8", f"d{depth}b{per_sm}", "bf16", RINGS)
-        d8, d16 = _WIDER[depth, per_sm]
-        warps = block_warps(per_sm)
-        entry = (
-            f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
-            "T* y, const T* x, const u8* b, const u8* scales, int M, int N, int K, u32 flags) "
-            f"{{\n  epk::mx4f8_gemv<{depth}, {d8}, {d16}, {warps}>(y, x, b, scales, M, N, K, "
-            "flags);\n}\n"
-        )
-        out[name] = register_kernel(
-            KernelSource(
-                name=name,
-                source=f"{body}\ntypedef __nv_bfloat16 T;\n{entry}",
-                params=("bf16*", "bf16*", "u8*", "u8*", *_SIZES),
-                options=CompileOptions(cuda_headers=True),
-                cpu=_twin,
-                pdl_wait="kernel",
-                targets=_TARGETS,
-            )
-        )
+        out[name] = register_kernel(kernel_source(name, depth, per_sm))
     return out
 
 
