@@ -6,8 +6,8 @@ bf16 activations; dense [N, K], dense [K, N], 4-bit MatMulNBits (block 32, zero 
 4-bit weights repacked for ``ep_gemv_q4p`` (``q4p``; ``q4p-d8b2``: a compiled ring), MXFP4 and
 the same MXFP4 bytes repacked for ``ep_gemv_mx4p`` (``mx4p``; ``mx4p-d8b2``) and for the FP8
 tensor cores' ``ep_gemv_mx4f8`` (``mx4f8``, sm_90a; ``mx4f8-d8b2``), and the 4-bit weights for
-the FP8 tensor cores' ``ep_gemv_q4f8`` (``q4f8``, sm_90a; ``q4f8-d10b2``); ``+sym`` after a 4-bit
-format (``q4p+sym``, ``q4f8-d10b2+sym``): symmetric weights, no zero points (every one 8, as the
+the FP8 tensor cores' ``ep_gemv_q4f8`` (``q4f8``, sm_90a; ``q4f8-d6b3``); ``+sym`` after a 4-bit
+format (``q4p+sym``, ``q4f8-d6b3+sym``): symmetric weights, no zero points (every one 8, as the
 onnxruntime-genai model builder writes them);
 M = 1, 4, 16) and for decode attention (bf16, 14 query heads, 2 KV heads, head_dim 64: full
 head-major caches of 512, 2k, 8k, 32k tokens, and the native decode graph's case, a seq-major cache

@@ -251,11 +251,13 @@ def launch_shape(dev: Device, N: int, K: int, per_sm: int) -> tuple[int, int, in
     return T, S, blocks, (T * S * 2048, T * S * 128)
 
 
-def shared_bytes(M: int, K: int) -> int:
+def shared_bytes(M: int, K: int, *, block_sums: bool = False) -> int:
     """Dynamic shared memory of a block: x's B tiles (N = 8, 16 or 32 columns: M <= 4, 8, 16),
-    then 16 row factors."""
+    then 16 row factors; ``block_sums`` (`ep.kernels.q4f8`, the zero points' term): then each
+    staged row's 32-block sums of x (a float each)."""
     cols = 8 if M <= 4 else (16 if M <= 8 else 32)
-    return 2 * _sizes(1, K)[1] * cols * 32 + 64
+    steps = _sizes(1, K)[1]
+    return 2 * steps * cols * 32 + 64 + (steps * cols * 4 if block_sums else 0)
 
 
 def f8_checks(

@@ -48,7 +48,6 @@ __all__ = [
     "PackedQ4F8",
     "gemv_q4_f8",
     "pack_q4f8",
-    "shared_bytes",
     "unpack_q4f8",
     "upload_q4f8",
 ]
@@ -193,13 +192,6 @@ def upload_q4f8(
     )
 
 
-def shared_bytes(M: int, K: int) -> int:
-    """Dynamic shared memory of a block: `ep.kernels.mx4f8.shared_bytes`, then each staged
-    row's 32-block sums of x (the zero points' term)."""
-    rows = 4 if M <= 4 else (8 if M <= 8 else 16)
-    return mx4f8.shared_bytes(M, K) + mx4f8._sizes(1, K)[1] * rows * 8
-
-
 def gemv_q4_f8(
     dev: Device,
     out: Buffer,
@@ -233,7 +225,7 @@ def gemv_q4_f8(
     flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_ZP if w.zeros is not None else 0)
     zeros = w.zeros if w.zeros is not None else w.weights  # never read without EPK_ZP
     return mx4f8.f8_launch(
-        dev, name, "4-bit", per_sm, (T, S, blocks), shared_bytes(M, K),
+        dev, name, "4-bit", per_sm, (T, S, blocks), mx4f8.shared_bytes(M, K, block_sums=True),
         [out, x, w.weights, w.scales, zeros, M, N, K, flags], stream=stream,
     )  # fmt: skip
 
