@@ -1,0 +1,940 @@
+"""A decoder stack's whole decode step as one persistent kernel: ``ep_stack_bf16`` (sm_90a,
+bf16, one sequence). An experiment measured against the native executor; not yet used by it.
+
+The native executor runs a decode step of the 0.5B benchmark model as about 170 dependent
+launches; under programmatic dependent launch each still costs 2-3 µs from launch to finish on
+the H200, which keeps that step at 0.68 ms against a 0.24 ms weight-bandwidth floor
+(docs/benchmarks/native.md). This kernel runs every layer of a Llama/Qwen2-style decoder
+(RMSNorm; the QKV projection with its bias and rotary embedding; the KV commit; attention; the
+O projection and the residual; RMSNorm; gate/up with SwiGLU; down and the residual), the final
+norm and a tied or untied head in one cooperative launch of one block an SM:
+
+- **Weights stream independently of the data.** Each block owns fixed output columns of every
+  projection (`block_columns`: a rotation pair of q/k, or gate j with up j, stay in one block);
+  `pack_stack` lays a block's columns out contiguously in the order it uses them, and one
+  producer thread copies the block's stream, a chunk of whole columns at a time
+  (``cp.async.bulk`` completing on an mbarrier), into a ring of shared memory (what the block
+  has left, about 195 KB), limited only by free space: the next projections' weights arrive
+  while the block waits for its inputs. The head's rows are streamed straight from the
+  embedding table ([vocab, hidden] is already column-major for the head).
+- **Blocks exchange values as tagged words** (the LL protocol of NCCL): a bf16 value and a 16-bit
+  tag (the launch's epoch and the layer) in one 32-bit store; a reader polls the words it needs
+  until each carries the tag it waits for. No fence, no counter, no second load: on the H200
+  this took the step from 0.58 to 0.53 ms against counters with release/acquire.
+- Every block normalises the residual row for itself (hidden elements from L2); attention runs
+  on one block a query head, which loads the cached positions' keys and values before its
+  inputs arrive; the head's logits are stored as bf16.
+
+Values are rounded to bf16 where the op-per-launch graph rounds them (each op's output), so the
+step is that graph's up to summation order: `reference_step` is the NumPy form (float32 sums),
+and on the benchmark model the kernel's logits are as far from it as the native executor's
+(tools/bench_stack.py). The KV cache is the kernel's own: [layer][kv head][capacity][head_dim],
+bf16, filled by running the kernel position by position (a prefill is not part of it yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+
+from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream
+from ep.errors import KernelArgumentError
+
+__all__ = [
+    "StackShape",
+    "StackStep",
+    "block_columns",
+    "default_chunk",
+    "pack_stack",
+    "reference_step",
+    "shared_bytes",
+    "stack_kernel",
+]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+CW = 8  # consumer warps; one more warp produces
+SLOTS = 32  # the most chunks in flight (mbarrier pairs)
+SCORES = 2048  # positions one attention pass holds in shared memory: the largest capacity
+SHARED = 232448  # the most shared memory a block may have on sm_90 (227 KiB)
+TRACE_STAMPS = 32  # global-timer stamps a layer and block (tools/bench_stack.py --trace)
+
+
+@dataclass(frozen=True)
+class StackShape:
+    """A Llama/Qwen2-style decoder: rotary over the whole head (rotate-half), biased QKV."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    layers: int
+    eps: float = 1e-6
+
+    @property
+    def qkv(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+    def stages(self) -> list[tuple[int, int, int]]:
+        """Per projection: (units, columns a unit, K)."""
+        return [
+            (self.qkv // 2, 2, self.hidden),  # a unit: a rotation pair (i, i + head_dim / 2)
+            (self.hidden, 1, self.heads * self.head_dim),
+            (self.inter, 2, self.hidden),  # a unit: gate j and up j
+            (self.hidden, 1, self.inter),
+        ]
+
+    def check(self, chunk: int) -> None:
+        """Refuse a shape the kernel does not handle, saying what it needs."""
+        problems = []
+        if self.head_dim != 64:
+            problems.append(f"head_dim {self.head_dim} (the kernel needs 64)")
+        if self.heads % self.kv_heads:
+            problems.append(f"{self.heads} heads over {self.kv_heads} KV heads (not a multiple)")
+        if self.hidden % 8 or self.inter % 8:
+            problems.append("hidden and intermediate sizes must be multiples of 8")
+        if self.hidden // 8 > 32 * CW:
+            problems.append(f"hidden {self.hidden} above {8 * 32 * CW}")
+        if 4 * self.hidden > chunk or 2 * self.inter > chunk or chunk % 16:
+            problems.append(f"chunk {chunk} B must hold a column pair of K = hidden and a "
+                            "column of K = intermediate, in 16-byte units")  # fmt: skip
+        if problems:
+            raise KernelArgumentError(f"persistent stack: {self} is not supported: "
+                                      + "; ".join(problems))  # fmt: skip
+
+
+def default_chunk(shape: StackShape) -> int:
+    """A chunk of CW columns of K = hidden (one a warp), or one column of the down projection:
+    the fastest of the sizes measured on the H200 (docs/benchmarks/native.md)."""
+    return max(CW * 2 * shape.hidden, 2 * shape.inter)
+
+
+def _range(units: int, b: int, blocks: int) -> tuple[int, int]:
+    return units * b // blocks, units * (b + 1) // blocks
+
+
+def block_columns(shape: StackShape, blocks: int) -> list[list[np.ndarray]]:
+    """[block][projection] → the weight columns the block owns, in the order it stores them."""
+    half = shape.head_dim // 2
+    out = []
+    for b in range(blocks):
+        per = []
+        for s, (units, _, _) in enumerate(shape.stages()):
+            u = np.arange(*_range(units, b, blocks))
+            if s == 0:
+                a = (u // half) * shape.head_dim + u % half
+                cols = np.stack([a, a + half], 1).reshape(-1)
+            elif s == 2:
+                cols = np.stack([u, u + shape.inter], 1).reshape(-1)
+            else:
+                cols = u
+            per.append(cols)
+        out.append(per)
+    return out
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def pack_stack(
+    shape: StackShape, layers: list[dict[str, np.ndarray]], blocks: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The blocks' weight streams (bf16 bits, one array) and each block's start in bytes.
+
+    ``layers[l]``: ``qkv`` [hidden, qkv], ``o`` [heads * head_dim, hidden], ``gate_up``
+    [hidden, 2 inter] (gate half first), ``down`` [inter, hidden], all [K, N] bf16."""
+    cols = block_columns(shape, blocks)
+    parts, starts, offset = [], [], 0
+    for b in range(blocks):
+        starts.append(offset)
+        for layer in layers:
+            for s, name in enumerate(PROJECTIONS):
+                w = np.ascontiguousarray(np.asarray(layer[name], BF16)[:, cols[b][s]].T)
+                parts.append(w.view(np.uint16).reshape(-1))
+                offset += w.nbytes
+    return np.concatenate(parts), np.asarray(starts, np.uint64)
+
+
+def _resmax(shape: StackShape, blocks: int, chunk: int) -> int:
+    """Sums a block keeps for one projection (its gate/up columns) or one batch of head rows
+    (at least a chunk's)."""
+    return max(2 * (-(-shape.inter // blocks)) + 2, chunk // (2 * shape.hidden))
+
+
+def _cuda(shape: StackShape, blocks: int, chunk: int, ring: int) -> str:
+    defines = {
+        "H": shape.hidden, "NH": shape.heads, "NKV": shape.kv_heads, "HD": shape.head_dim,
+        "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": chunk, "SLOTS": SLOTS,
+        "RING": ring, "CW": CW, "SCORES": SCORES, "RESMAX": _resmax(shape, blocks, chunk),
+    }  # fmt: skip
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    scale = float(1.0 / np.sqrt(shape.head_dim))
+    head += f"#define EPS {float(shape.eps)!r}f\n#define SCALE {scale!r}f\n"
+    return head + _SOURCE
+
+
+_SOURCE = r"""
+#include <cuda_bf16.h>
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned char u8;
+typedef __nv_bfloat16 bf16;
+
+#define NQKV ((NH + 2 * NKV) * HD)
+#define KO (NH * HD)
+#define XMAX (INTER > H ? INTER : H)
+#define OWNMAX ((H + NB - 1) / NB + 1)
+#define CT (CW * 32)
+static_assert(H % 8 == 0 && KO % 8 == 0 && INTER % 8 == 0 && HD == 64, "shape");
+static_assert(H / 8 <= CT, "a 16-byte unit of the hidden row a consumer thread");
+
+static __device__ __forceinline__ float rbf(float v) {
+    return __bfloat162float(__float2bfloat16_rn(v));
+}
+static __device__ __forceinline__ void unpack8(const uint4& w, float* f) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        const float2 v = __bfloat1622float2(p[e]);
+        f[2 * e] = v.x;
+        f[2 * e + 1] = v.y;
+    }
+}
+static __device__ __forceinline__ float dot8(const uint4& w, const float* x) {
+    float f[8];
+    unpack8(w, f);
+    float acc = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc = fmaf(f[e], x[e], acc);
+    return acc;
+}
+
+// --- values exchanged between blocks: a bf16 and its tag in one 32-bit word ---------------
+// A word is (tag << 16) | bf16 bits, stored with one relaxed store; a reader polls the words it
+// needs until each carries the tag of the layer it waits for. The data is its own flag: no
+// fence, no counter, no second load (the LL protocol of NCCL). Tags are 1 + (epoch * L + layer)
+// mod 65535, so a word's previous value (the layer before) never carries the awaited tag, nor
+// does fresh zeroed memory. Every word is written once a layer, and its next write depends on
+// every reader of this one having read it (each stage reads all of the stage before).
+static __device__ __forceinline__ void st_tag(u32* p, float v, u32 tag) {
+    const u32 w = (tag << 16) | (u32)__bfloat16_as_ushort(__float2bfloat16_rn(v));
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(w) : "memory");
+}
+static __device__ __forceinline__ uint4 ld_tagged(const u32* p) {
+    uint4 v;
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+static __device__ __forceinline__ bool has_tag(const uint4& v, u32 tag) {
+    return (v.x >> 16) == tag && (v.y >> 16) == tag && (v.z >> 16) == tag && (v.w >> 16) == tag;
+}
+static __device__ __forceinline__ void untag(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x << 16);
+    f[1] = __uint_as_float(v.y << 16);
+    f[2] = __uint_as_float(v.z << 16);
+    f[3] = __uint_as_float(v.w << 16);
+}
+// xs[0..N) = the N tagged values at src once all carry ``tag`` (every consumer thread; the
+// caller's barrier publishes xs)
+template <int N>
+static __device__ __forceinline__ void gather(const u32* src, u32 tag, float* xs, int tid) {
+    constexpr int U = N / 4, PER = (U + CT - 1) / CT;
+    uint4 v[PER];
+    bool ok;
+    do {
+        ok = true;
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+            const int i = tid + j * CT;
+            if (i < U) {
+                v[j] = ld_tagged(src + 4 * i);
+                ok &= has_tag(v[j], tag);
+            }
+        }
+    } while (!ok);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+        const int i = tid + j * CT;
+        if (i < U) untag(v[j], xs + 4 * i);
+    }
+}
+
+
+// the consumer warps' barrier (the producer warp never joins it)
+static __device__ __forceinline__ void cbar() {
+    asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory");
+}
+static __device__ __forceinline__ float wsum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+static __device__ __forceinline__ float wmax(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+static __device__ float csum(float v, float* scratch, int tid) {
+    v = wsum(v);
+    cbar();
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    cbar();
+    float t = 0.0f;
+#pragma unroll
+    for (int w = 0; w < CW; ++w) t += scratch[w];
+    return t;
+}
+static __device__ float cmax(float v, float* scratch, int tid) {
+    v = wmax(v);
+    cbar();
+    if ((tid & 31) == 0) scratch[tid >> 5] = v;
+    cbar();
+    float t = scratch[0];
+#pragma unroll
+    for (int w = 1; w < CW; ++w) t = fmaxf(t, scratch[w]);
+    return t;
+}
+
+// --- the weight ring ------------------------------------------------------------------------
+static __device__ __forceinline__ u32 sa(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+static __device__ __forceinline__ void mbar_init(u64* b, u32 n) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(sa(b)), "r"(n) : "memory");
+}
+static __device__ __forceinline__ void mbar_expect(u64* b, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(sa(b)), "r"(bytes) : "memory");
+}
+static __device__ __forceinline__ void mbar_arrive(u64* b) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" :: "r"(sa(b)) : "memory");
+}
+static __device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
+    u32 ok;
+    do {
+        asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(ok) : "r"(sa(b)), "r"(parity) : "memory");
+    } while (!ok);
+}
+static __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* b) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [%0], [%1], %2, [%3];"
+                 :: "r"(sa(dst)), "l"(src), "r"(bytes), "r"(sa(b)) : "memory");
+}
+
+// The ring is RING bytes of shared memory holding variable-size chunks (whole columns, at most
+// CHUNK bytes) in stream order; a chunk that does not fit before the end starts at 0 and claims
+// the skipped tail too. Chunk g uses mbarriers g % SLOTS (full: the bulk copy's bytes arrived;
+// empty: the CW consumer warps are done with it), in use (g / SLOTS) & 1. Producer and consumers
+// walk the same schedule, so they agree on every chunk's place.
+struct Ring {
+    u8* bytes; u64* full; u64* empty;
+    u32 off;  // where the next chunk would start
+    u32 g;    // the next chunk's number
+    // the producer's view of chunks in flight
+    u32 oldest, used;
+    u32* claim;  // [SLOTS] bytes each chunk in flight holds
+};
+static __device__ __forceinline__ u32 ring_place(Ring& r, u32 bytes, u32& claim) {
+    const u32 start = r.off + bytes > RING ? 0u : r.off;
+    claim = start == 0u && r.off != 0u ? RING - r.off + bytes : bytes;
+    r.off = start + bytes;
+    return start;
+}
+
+template <int K, int PER>
+__host__ __device__ constexpr int chunk_cols() { return (CHUNK / (K * 2)) / PER * PER; }
+
+// res[c] = x . column c for the block's ncols columns of one projection, from the ring.
+// Short columns (K / 8 <= 4 * 32 16-byte units): a warp takes whole columns, up to CMAX of a
+// chunk at once (their loads first, then the arithmetic, then the interleaved shuffle trees),
+// a lane holding its slice of x in registers. Long columns: every warp takes a K slice of each
+// of the chunk's columns (x slice in registers), writes its partial sums to part[warp][column],
+// and the sums are added up once after the last chunk.
+static __device__ __forceinline__ u64 gtime() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+template <int K, int PER>
+static __device__ void project(int ncols, const float* xs, float* res, float* part, Ring& r,
+                               int warp, int lane, int tid, u64* waited = nullptr) {
+    constexpr int CPC = chunk_cols<K, PER>();
+    constexpr int V = K / 8;
+    constexpr bool SHORT = V <= 4 * 32;
+    constexpr int CMAX = SHORT ? (CPC + CW - 1) / CW : CPC;  // columns a warp holds at once
+    constexpr int VS = SHORT ? V : (V + CW - 1) / CW;         // units of K a warp walks
+    constexpr int VPL = (VS + 31) / 32;                       // units a lane walks
+    const int vbase = SHORT ? 0 : warp * VS;
+    const int vend = SHORT ? V : min(V, vbase + VS);
+    float xr[VPL * 8];
+#pragma unroll
+    for (int j = 0; j < VPL; ++j) {
+        const int v = vbase + lane + 32 * j;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xr[8 * j + e] = v < vend ? xs[8 * v + e] : 0.0f;
+    }
+    for (int c0 = 0; c0 < ncols; c0 += CPC) {
+        const int n = min(CPC, ncols - c0);
+        u32 claim;
+        const u32 start = ring_place(r, (u32)n * K * 2, claim);
+        const u32 slot = r.g % SLOTS;
+        const u64 t0 = waited != nullptr && tid == 0 ? gtime() : 0;
+        mbar_wait(&r.full[slot], (r.g / SLOTS) & 1u);
+        if (waited != nullptr && tid == 0) *waited += gtime() - t0;
+        const uint4* base = reinterpret_cast<const uint4*>(r.bytes + start);
+        uint4 w[CMAX][VPL];
+#pragma unroll
+        for (int i = 0; i < CMAX; ++i) {
+            const int c = SHORT ? warp + CW * i : i;
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) {
+                const int v = vbase + lane + 32 * j;
+                w[i][j] = c < n && v < vend ? base[(size_t)c * V + v] : make_uint4(0, 0, 0, 0);
+            }
+        }
+        float acc[CMAX];
+#pragma unroll
+        for (int i = 0; i < CMAX; ++i) {
+            acc[i] = 0.0f;
+#pragma unroll
+            for (int j = 0; j < VPL; ++j) acc[i] += dot8(w[i][j], xr + 8 * j);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+            for (int i = 0; i < CMAX; ++i) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], o);
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(&r.empty[slot]);
+        ++r.g;
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < CMAX; ++i) {
+                const int c = SHORT ? warp + CW * i : i;
+                if (c < n) (SHORT ? res[c0 + c] : part[warp * RESMAX + c0 + c]) = acc[i];
+            }
+        }
+    }
+    if (!SHORT) {
+        cbar();
+        for (int c = tid; c < ncols; c += CT) {
+            float t = 0.0f;
+#pragma unroll
+            for (int w2 = 0; w2 < CW; ++w2) t += part[w2 * RESMAX + c];
+            res[c] = t;
+        }
+    }
+}
+
+template <int K, int PER>
+static __device__ __forceinline__ void produce(int ncols, const u8*& src, Ring& r, u64* blocked) {
+    constexpr int CPC = chunk_cols<K, PER>();
+    for (int c0 = 0; c0 < ncols; c0 += CPC) {
+        const u32 bytes = (u32)min(CPC, ncols - c0) * K * 2;
+        u32 claim;
+        const u32 start = ring_place(r, bytes, claim);
+        // free the oldest chunks until this one's bytes and mbarriers are free
+        const u64 t0 = blocked != nullptr ? gtime() : 0;
+        while (r.used + claim > RING || r.g - r.oldest == SLOTS) {
+            mbar_wait(&r.empty[r.oldest % SLOTS], (r.oldest / SLOTS) & 1u);
+            r.used -= r.claim[r.oldest % SLOTS];
+            ++r.oldest;
+        }
+        if (blocked != nullptr) *blocked += gtime() - t0;
+        const u32 slot = r.g % SLOTS;
+        r.claim[slot] = claim;
+        r.used += claim;
+        mbar_expect(&r.full[slot], bytes);
+        bulk_load(r.bytes + start, src, bytes, &r.full[slot]);
+        src += bytes;
+        ++r.g;
+    }
+}
+
+static __device__ __forceinline__ void urange(int units, int b, int& u0, int& u1) {
+    u0 = (int)((long long)units * b / NB);
+    u1 = (int)((long long)units * (b + 1) / NB);
+}
+
+// xs (the gathered row, published) = bf16(rmsnorm(xs) * gamma); thread i < H / 8 owns 8
+// elements and holds their gamma (``g``, loaded before the stage's inputs arrived)
+static __device__ __forceinline__ uint4 gamma_of(const bf16* gamma, int tid) {
+    return tid < H / 8 ? reinterpret_cast<const uint4*>(gamma)[tid] : make_uint4(0, 0, 0, 0);
+}
+static __device__ void norm_xs(const uint4& g, float* xs, float* scratch, int tid) {
+    float f[8], ss = 0.0f;
+    if (tid < H / 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) { f[e] = xs[8 * tid + e]; ss += f[e] * f[e]; }
+    }
+    const float inv = 1.0f / sqrtf(csum(ss, scratch, tid) / (float)H + EPS);
+    if (tid < H / 8) {
+        float gf[8];
+        unpack8(g, gf);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) xs[8 * tid + e] = rbf(f[e] * inv * gf[e]);
+    }
+    cbar();
+}
+
+// One query head over positions 0..pos of its KV head: att[h] = softmax(q k^T * SCALE) v. The
+// cached positions (below pos, committed by earlier launches) are read from the cache, the
+// first CT K rows and VJ * CW V pairs of them before the QKV values arrive (`Prefetch`); q
+// and position pos's k and v come tagged from this launch's QKV stage.
+#define VJ 16
+struct Prefetch { uint4 k[HD / 8]; u32 v[VJ]; };
+static __device__ __forceinline__ void attend_prefetch(Prefetch& pf, int pos, const bf16* kb,
+                                                       const bf16* vb, int tid, int warp,
+                                                       int lane) {
+    if (tid < pos) {
+        const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)tid * HD);
+#pragma unroll
+        for (int v = 0; v < HD / 8; ++v) pf.k[v] = __ldcg(kr + v);
+    }
+#pragma unroll
+    for (int j = 0; j < VJ; ++j) {
+        const int t = warp + CW * j;
+        if (t < pos)
+            pf.v[j] = __ldcg(reinterpret_cast<const unsigned int*>(vb + (size_t)t * HD) + lane);
+    }
+}
+static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv, u32 tag,
+                              const bf16* kb, const bf16* vb, u32* att, float* sc, float* qs,
+                              float* kn, float* vn, float* part, float* scratch, int tid,
+                              int warp, int lane) {
+    const int kvh = h / (NH / NKV), ctx = pos + 1;
+    if (tid < 3 * HD / 4) {  // q, the new k, the new v: 16 words of 4 each
+        const int which = tid / (HD / 4), i = tid % (HD / 4);
+        const int col = (which == 0 ? h : which == 1 ? NH + kvh : NH + NKV + kvh) * HD + 4 * i;
+        uint4 v;
+        do { v = ld_tagged(qkv + col); } while (!has_tag(v, tag));
+        float f[4];
+        untag(v, f);
+        float* dst = which == 0 ? qs : which == 1 ? kn : vn;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dst[4 * i + e] = which == 0 ? f[e] * SCALE : f[e];
+    }
+    cbar();
+    float mx = __int_as_float(0xff800000u);
+    for (int t = tid; t < ctx; t += CT) {
+        float s = 0.0f;
+        if (t == pos) {
+#pragma unroll 8
+            for (int e = 0; e < HD; ++e) s = fmaf(kn[e], qs[e], s);
+        } else {
+            uint4 w[HD / 8];
+            if (t == tid) {
+#pragma unroll
+                for (int v = 0; v < HD / 8; ++v) w[v] = pf.k[v];
+            } else {
+                const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)t * HD);
+#pragma unroll
+                for (int v = 0; v < HD / 8; ++v) w[v] = __ldcg(kr + v);
+            }
+#pragma unroll
+            for (int v = 0; v < HD / 8; ++v) s += dot8(w[v], qs + 8 * v);
+        }
+        sc[t] = s;
+        mx = fmaxf(mx, s);
+    }
+    mx = cmax(mx, scratch, tid);
+    float sum = 0.0f;
+    for (int t = tid; t < ctx; t += CT) {
+        const float p = __expf(sc[t] - mx);
+        sc[t] = p;
+        sum += p;
+    }
+    sum = csum(sum, scratch, tid);  // its barriers also publish sc
+    float o0 = 0.0f, o1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < VJ; ++j) {
+        const int t = warp + CW * j;
+        if (t < pos) {
+            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pf.v[j]));
+            o0 = fmaf(sc[t], v.x, o0);
+            o1 = fmaf(sc[t], v.y, o1);
+        }
+    }
+#pragma unroll 4
+    for (int t = warp + CW * VJ; t < pos; t += CW) {
+        const u32 raw = __ldcg(reinterpret_cast<const unsigned int*>(vb + (size_t)t * HD) + lane);
+        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+        o0 = fmaf(sc[t], v.x, o0);
+        o1 = fmaf(sc[t], v.y, o1);
+    }
+    if (warp == pos % CW) {
+        o0 = fmaf(sc[pos], vn[2 * lane], o0);
+        o1 = fmaf(sc[pos], vn[2 * lane + 1], o1);
+    }
+    part[warp * HD + 2 * lane] = o0;
+    part[warp * HD + 2 * lane + 1] = o1;
+    cbar();
+    for (int d = tid; d < HD; d += CT) {
+        float o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < CW; ++w) o += part[w * HD + d];
+        st_tag(att + h * HD + d, o / sum, tag);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
+    const u8* __restrict__ ws, const u64* __restrict__ wstart, const bf16* __restrict__ norms,
+    const bf16* __restrict__ qkv_bias, const float* __restrict__ inv_freq,
+    const bf16* __restrict__ head, bf16* logits, int vocab, const bf16* __restrict__ x_in,
+    u32* R, u32* R1, u32* qkv, u32* att, u32* act, bf16* y, bf16* kc, bf16* vc,
+    const int* __restrict__ posp, u32* epoch_at, int cap, u64 trace_at) {
+    extern __shared__ __align__(128) u8 smem[];
+    u64* full = reinterpret_cast<u64*>(smem);
+    u64* empty = full + SLOTS;
+    u32* claims = reinterpret_cast<u32*>(empty + SLOTS);
+    u8* ring_bytes = smem + 1024;
+    float* xs = reinterpret_cast<float*>(ring_bytes + RING);
+    float* res = xs + XMAX;
+    float* own = res + RESMAX;  // the residual's values at the block's own columns
+    float* scratch = own + OWNMAX;
+    float* qs = scratch + 32;
+    float* kn = qs + HD;
+    float* vn = kn + HD;
+    float* part = vn + HD;  // CW x max(HD, RESMAX)
+    float* sc = part + CW * (RESMAX > HD ? RESMAX : HD);
+    u64* trace = reinterpret_cast<u64*>(trace_at);
+    __shared__ u32 s_epoch;
+
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x;
+    if (tid == 0) {
+        for (int s = 0; s < SLOTS; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        s_epoch = *reinterpret_cast<volatile u32*>(epoch_at);
+    }
+    __syncthreads();
+    const u32 tag0 = s_epoch * (u32)L;
+    Ring ring{ring_bytes, full, empty, 0u, 0u, 0u, 0u, claims};
+    int u0[4], u1[4], v0, v1;
+    urange(NQKV / 2, b, u0[0], u1[0]);
+    urange(H, b, u0[1], u1[1]);
+    urange(INTER, b, u0[2], u1[2]);
+    urange(H, b, u0[3], u1[3]);
+    urange(vocab, b, v0, v1);
+
+    if (warp == CW) {  // the producer: the block's weights in the order the stages use them
+        if (lane == 0) {
+            const u8* src = ws + wstart[b];
+            for (int l = 0; l < L; ++l) {
+                u64* tr = trace != nullptr ? trace + ((size_t)b * L + l) * 32 + 20 : nullptr;
+                if (tr != nullptr) tr[4] = gtime();  // when this layer's first chunk is placed
+                produce<H, 2>(2 * (u1[0] - u0[0]), src, ring, tr);
+                produce<KO, 1>(u1[1] - u0[1], src, ring, tr);
+                produce<H, 2>(2 * (u1[2] - u0[2]), src, ring, tr);
+                produce<INTER, 1>(u1[3] - u0[3], src, ring, tr);
+            }
+            src = reinterpret_cast<const u8*>(head + (size_t)v0 * H);  // rows of [vocab, H]
+            produce<H, 1>(v1 - v0, src, ring, nullptr);
+        }
+        return;
+    }
+
+    const int pos = *posp;
+    // tools/bench_stack.py --trace: each block's thread 0 stamps the global timer at 15 points
+    // of every layer (trace[block][layer][0..14]), adds up its waits for each projection's
+    // weights ([16..19]); the producer adds up its waits for ring space ([20]) and stamps when it
+    // places a layer's first chunk ([24]). 0: no stamps.
+#define WAITED(k) (trace != nullptr ? trace + ((size_t)b * L + l) * 32 + (k) : nullptr)
+#define TR(k) \
+    if (trace != nullptr && tid == 0) trace[((size_t)b * L + l) * 32 + (k)] = gtime();
+    for (int c = u0[1] + tid; c < u1[1]; c += CT) own[c - u0[1]] = __bfloat162float(x_in[c]);
+    // this thread's QKV unit (a block has at most CT of them): rotation and destinations
+    const int unit = u0[0] + tid;
+    const bool has_unit = unit < u1[0];
+    const int hh = unit / (HD / 2), ri = unit % (HD / 2), ca = hh * HD + ri, cb = ca + HD / 2;
+    float sn = 0.0f, cs = 1.0f;
+    if (has_unit && hh < NH + NKV) sincosf((float)pos * inv_freq[ri], &sn, &cs);
+    bf16* cache = nullptr;
+    if (has_unit && hh >= NH) {
+        const int kvh = hh < NH + NKV ? hh - NH : hh - NH - NKV;
+        cache = (hh < NH + NKV ? kc : vc) + ((size_t)kvh * cap + pos) * HD;
+    }
+    for (int l = 0; l < L; ++l) {
+        const u32 tag = 1u + (tag0 + (u32)l) % 65535u;
+        const u32 prev = 1u + (tag0 + (u32)l + 65534u) % 65535u;  // the layer before's
+        const uint4 g1 = gamma_of(norms + (size_t)(2 * l) * H, tid);
+        const uint4 g2 = gamma_of(norms + (size_t)(2 * l + 1) * H, tid);
+        float ba = 0.0f, bc = 0.0f;
+        if (has_unit) {
+            ba = __bfloat162float(qkv_bias[(size_t)l * NQKV + ca]);
+            bc = __bfloat162float(qkv_bias[(size_t)l * NQKV + cb]);
+        }
+        // norm, QKV projection, bias, rotary embedding, KV commit
+        if (l == 0) {
+            for (int i = tid; i < H; i += CT) xs[i] = __bfloat162float(x_in[i]);
+        } else {
+            gather<H>(R, prev, xs, tid);
+        }
+        cbar();
+        TR(0);
+        norm_xs(g1, xs, scratch, tid);
+        TR(1);
+        project<H, 2>(2 * (u1[0] - u0[0]), xs, res, part, ring, warp, lane, tid, WAITED(16));
+        TR(2);
+        cbar();
+        if (has_unit) {
+            float a = rbf(rbf(res[2 * (unit - u0[0])]) + ba);
+            float c = rbf(rbf(res[2 * (unit - u0[0]) + 1]) + bc);
+            if (hh < NH + NKV) {
+                const float ra = rbf(a * cs - c * sn), rc = rbf(c * cs + a * sn);
+                a = ra;
+                c = rc;
+            }
+            st_tag(qkv + ca, a, tag);
+            st_tag(qkv + cb, c, tag);
+            if (cache != nullptr) {
+                bf16* dst = cache + (size_t)l * NKV * cap * HD;
+                dst[ri] = __float2bfloat16_rn(a);
+                dst[ri + HD / 2] = __float2bfloat16_rn(c);
+            }
+        }
+        TR(3);
+        if (b < NH) {
+            const size_t base = ((size_t)l * NKV + b / (NH / NKV)) * cap * HD;
+            Prefetch pf;
+            attend_prefetch(pf, pos, kc + base, vc + base, tid, warp, lane);
+            TR(4);
+            attend(pf, b, pos, qkv, tag, kc + base, vc + base, att, sc, qs, kn, vn, part, scratch,
+                   tid, warp, lane);
+            TR(5);
+        }
+        // O projection and the residual
+        gather<KO>(att, tag, xs, tid);
+        cbar();
+        TR(6);
+        project<KO, 1>(u1[1] - u0[1], xs, res, part, ring, warp, lane, tid, WAITED(17));
+        TR(7);
+        cbar();
+        for (int c = u0[1] + tid; c < u1[1]; c += CT) {
+            const float r1 = rbf(own[c - u0[1]] + rbf(res[c - u0[1]]));
+            own[c - u0[1]] = r1;
+            st_tag(R1 + c, r1, tag);
+        }
+        TR(8);
+        // MLP: norm, gate/up with SwiGLU, down and the residual
+        gather<H>(R1, tag, xs, tid);
+        cbar();
+        TR(9);
+        norm_xs(g2, xs, scratch, tid);
+        project<H, 2>(2 * (u1[2] - u0[2]), xs, res, part, ring, warp, lane, tid, WAITED(18));
+        TR(10);
+        cbar();
+        for (int j = u0[2] + tid; j < u1[2]; j += CT) {
+            const float g = rbf(res[2 * (j - u0[2])]), u = rbf(res[2 * (j - u0[2]) + 1]);
+            st_tag(act + j, g / (1.0f + expf(-g)) * u, tag);
+        }
+        TR(11);
+        gather<INTER>(act, tag, xs, tid);
+        cbar();
+        TR(12);
+        project<INTER, 1>(u1[3] - u0[3], xs, res, part, ring, warp, lane, tid, WAITED(19));
+        TR(13);
+        cbar();
+        for (int c = u0[3] + tid; c < u1[3]; c += CT) {
+            const float r = rbf(own[c - u0[3]] + rbf(res[c - u0[3]]));
+            own[c - u0[3]] = r;
+            st_tag(R + c, r, tag);
+        }
+        TR(14);
+    }
+    // the final norm (every block), then the head's rows of the block
+    const uint4 gf = gamma_of(norms + (size_t)(2 * L) * H, tid);
+    gather<H>(R, 1u + (tag0 + (u32)L - 1u) % 65535u, xs, tid);
+    cbar();
+    norm_xs(gf, xs, scratch, tid);
+    if (b == 0)
+        for (int i = tid; i < H; i += CT) y[i] = __float2bfloat16_rn(xs[i]);
+    constexpr int HCPC = chunk_cols<H, 1>();
+    constexpr int STEP = RESMAX / HCPC * HCPC;  // whole chunks: the producer's boundaries
+    static_assert(STEP > 0, "res must hold a chunk of head rows");
+    for (int c0 = v0; c0 < v1; c0 += STEP) {
+        const int n = min(STEP, v1 - c0);
+        project<H, 1>(n, xs, res, part, ring, warp, lane, tid);
+        cbar();
+        for (int c = tid; c < n; c += CT) logits[c0 + c] = __float2bfloat16_rn(res[c]);
+        cbar();
+    }
+    // Every block read the epoch before its first store, and block 0's last gather saw every
+    // block's last store. Kept modulo 65535, so tags run on without a jump: the tag after
+    // epoch 65534's last layer is epoch 0's first.
+    if (b == 0 && tid == 0) *epoch_at = (s_epoch + 1u) % 65535u;
+}
+"""
+
+
+SHARED = 232448  # the most shared memory a block may have on sm_90 (227 KiB)
+
+
+def _float_bytes(shape: StackShape, blocks: int, chunk: int) -> int:
+    xmax = max(shape.inter, shape.hidden)
+    resmax = _resmax(shape, blocks, chunk)
+    own = -(-shape.hidden // blocks) + 1
+    hd = shape.head_dim
+    return 4 * (xmax + resmax + own + 32 + 3 * hd + CW * max(hd, resmax) + SCORES)
+
+
+def ring_bytes(shape: StackShape, blocks: int, chunk: int) -> int:
+    """The weight ring: the shared memory left, in 16-byte units."""
+    return (SHARED - 1024 - _float_bytes(shape, blocks, chunk) - 256) // 16 * 16
+
+
+def shared_bytes(shape: StackShape, blocks: int, chunk: int) -> int:
+    """Dynamic shared memory of a block: mbarriers, the ring, the float scratch."""
+    return 1024 + ring_bytes(shape, blocks, chunk) + _float_bytes(shape, blocks, chunk)
+
+
+# ws, wstart, norms, qkv_bias, inv_freq, head, logits, vocab, x_in, R, R1, qkv, att, act, y,
+# kc, vc, pos, epoch, cap, trace address
+_PARAMS = ("u8*", "u64*", "bf16*", "bf16*", "f32*", "bf16*", "bf16*", "i32", "bf16*", "u32*",
+           "u32*", "u32*", "u32*", "u32*", "bf16*", "bf16*", "bf16*", "i32*", "u32*", "i32",
+           "u64")  # fmt: skip
+
+
+def stack_kernel(shape: StackShape, blocks: int, chunk: int | None = None) -> KernelSource:
+    """The kernel for ``shape`` on a grid of ``blocks`` (the device's SM count)."""
+    chunk = chunk or default_chunk(shape)
+    shape.check(chunk)
+    if (ring := ring_bytes(shape, blocks, chunk)) < 2 * chunk:
+        raise KernelArgumentError(
+            f"persistent stack: {shape} leaves {ring} B of shared memory for the weight ring; "
+            f"it needs at least two chunks of {chunk} B"
+        )
+    tag = f"h{shape.hidden}_n{shape.heads}_{shape.kv_heads}_i{shape.inter}_l{shape.layers}"
+    return KernelSource(
+        name=f"ep_stack_bf16_{tag}_b{blocks}_c{chunk}",
+        entry="ep_stack_bf16",
+        source=_cuda(shape, blocks, chunk, ring_bytes(shape, blocks, chunk)),
+        params=_PARAMS,
+        options=CompileOptions(cuda_headers=True),
+        cooperative=True,
+        targets=("sm_90a",),
+    )
+
+
+def _bf(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, np.float32).astype(BF16).astype(np.float32)
+
+
+def _norm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
+    inv = np.float32(1.0) / np.sqrt(np.mean(x * x, dtype=np.float32) + np.float32(eps))
+    return _bf(x * inv * np.asarray(g, np.float32))
+
+
+def reference_step(
+    shape: StackShape, layers: list[dict[str, np.ndarray]], final_norm: np.ndarray,
+    inv_freq: np.ndarray, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """One decode step in NumPy (float32 sums, bf16 where the kernel rounds): the final norm's
+    output. ``layers[l]`` as `pack_stack` takes them, plus ``input_norm``, ``post_norm`` and
+    ``qkv_bias`` (float32 copies make it faster); ``x`` the token's embedding; ``kc``/``vc``
+    (float32 [layers, kv_heads, capacity, head_dim]) get position ``pos``."""
+    hd, nh, nkv, half = shape.head_dim, shape.heads, shape.kv_heads, shape.head_dim // 2
+    f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
+    r = _bf(x)
+    ang = np.float32(pos) * f32(inv_freq)
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    for li, w in enumerate(layers):
+        xn = _norm(r, w["input_norm"], shape.eps)
+        qkv = _bf(_bf(xn @ f32(w["qkv"])) + f32(w["qkv_bias"])).reshape(-1, hd)
+        a, c = qkv[: nh + nkv, :half], qkv[: nh + nkv, half:]
+        qkv[: nh + nkv] = np.concatenate([_bf(a * cos - c * sin), _bf(c * cos + a * sin)], 1)
+        kc[li, :, pos] = qkv[nh : nh + nkv]
+        vc[li, :, pos] = qkv[nh + nkv :]
+        out = np.empty((nh, hd), np.float32)
+        for h in range(nh):
+            kvh = h // (nh // nkv)
+            s = kc[li, kvh, : pos + 1] @ (qkv[h] * np.float32(1 / np.sqrt(hd)))
+            p = np.exp(s - s.max())
+            out[h] = (p @ vc[li, kvh, : pos + 1]) / p.sum()
+        r1 = _bf(r + _bf(_bf(out.reshape(-1)) @ f32(w["o"])))
+        gu = _bf(_norm(r1, w["post_norm"], shape.eps) @ f32(w["gate_up"]))
+        g, u = gu[: shape.inter], gu[shape.inter :]
+        r = _bf(r1 + _bf(_bf(g / (1 + np.exp(-g)) * u) @ f32(w["down"])))
+    return _norm(r, final_norm, shape.eps)
+
+
+class StackStep:
+    """The kernel bound on a device to one model: its layers (as `pack_stack` and
+    `reference_step` take them), final norm, rotary frequencies (float32, head_dim / 2) and
+    head (``head``: [vocab, hidden] bf16 on the device, a tied embedding table or the head's
+    transposed weight), with its own KV cache of ``capacity`` positions.
+
+    A step: the token's embedding in ``x`` and its position in ``pos`` (both device buffers,
+    so a captured launch replays with new values), then `launch`: the logits (bf16) in
+    ``logits``, the final norm's output in ``y``. The values blocks exchange live in tagged
+    buffers zeroed here (no tag a launch waits for); ``epoch`` counts launches.
+    """
+
+    def __init__(
+        self, dev: Device, shape: StackShape, layers: list[dict[str, np.ndarray]],
+        final_norm: np.ndarray, inv_freq: np.ndarray, head: Buffer, capacity: int, *,
+        stream: Stream, chunk: int | None = None, packed: tuple[Buffer, Buffer] | None = None,
+    ) -> None:  # fmt: skip
+        if not 1 <= capacity <= SCORES:
+            raise KernelArgumentError(
+                f"persistent stack: capacity {capacity}; expected 1 to {SCORES} positions (one "
+                "attention pass in shared memory)"
+            )
+        if len(layers) != shape.layers:
+            raise KernelArgumentError(
+                f"persistent stack: {len(layers)} layers of weights for a {shape.layers}-layer "
+                "shape"
+            )
+        if head.dtype != BF16 or head.size % shape.hidden:
+            raise KernelArgumentError(
+                f"persistent stack: head of {head.size} {head.dtype} values; expected bf16 "
+                f"[vocab, {shape.hidden}]"
+            )
+        from ep.kernels.matmul import sm_count
+
+        blocks = sm_count(dev)
+        self.dev, self.shape, self.capacity, self.blocks = dev, shape, capacity, blocks
+        chunk = chunk or default_chunk(shape)
+        self.kernel = dev.kernel(stack_kernel(shape, blocks, chunk))
+        self.shared = shared_bytes(shape, blocks, chunk)
+        resident = self.kernel.resident_blocks(32 * CW + 32, self.shared)
+        if resident < blocks:
+            raise KernelArgumentError(
+                f"persistent stack: {resident} blocks of {self.shared} B fit on the device at "
+                f"once; the kernel needs one on each of its {blocks} SMs"
+            )
+        self.head, self.vocab = head, head.size // shape.hidden
+        up = lambda a: dev.to_device(np.ascontiguousarray(a), stream=stream)  # noqa: E731
+        if packed is None:
+            bits, starts = pack_stack(shape, layers, blocks)
+            packed = up(bits.view(np.uint8)), up(starts)
+        self.ws, self.starts = packed
+        norms = [n for w in layers for n in (w["input_norm"], w["post_norm"])] + [final_norm]
+        self.norms = up(np.concatenate(norms).astype(BF16))
+        self.bias = up(np.concatenate([w["qkv_bias"] for w in layers]).astype(BF16))
+        self.inv_freq = up(np.asarray(inv_freq, np.float32))
+        h, nh, hd = shape.hidden, shape.heads, shape.head_dim
+        alloc = lambda n, dt: dev.alloc(n, dt, stream=stream)  # noqa: E731
+        self.logits, self.x, self.y = alloc(self.vocab, BF16), alloc(h, BF16), alloc(h, BF16)
+        self.R, self.R1, self.att = (
+            alloc(h, np.uint32),
+            alloc(h, np.uint32),
+            alloc(nh * hd, np.uint32),
+        )
+        self.qkv, self.act = alloc(shape.qkv, np.uint32), alloc(shape.inter, np.uint32)
+        kv = shape.layers * shape.kv_heads * capacity * hd
+        self.kc, self.vc = alloc(kv, BF16), alloc(kv, BF16)
+        self.pos, self.epoch = alloc(1, np.int32), alloc(1, np.uint32)
+        for buffer in (self.R, self.R1, self.att, self.qkv, self.act, self.epoch, self.kc, self.vc):
+            dev.fill(buffer, 0, stream=stream)
+
+    def launch(self, *, stream: Stream, trace: Buffer | None = None) -> None:
+        """One step (class docstring). ``trace``: uint64 [blocks, layers, TRACE_STAMPS]
+        global-timer stamps of each block's stages (`tools/bench_stack.py --trace`)."""
+        self.kernel.launch(
+            self.blocks, 32 * CW + 32, self.ws, self.starts, self.norms, self.bias,
+            self.inv_freq, self.head, self.logits, self.vocab, self.x, self.R, self.R1, self.qkv,
+            self.att, self.act, self.y, self.kc, self.vc, self.pos, self.epoch, self.capacity,
+            0 if trace is None else trace.ptr, stream=stream, shared_mem=self.shared,
+        )  # fmt: skip

@@ -1,0 +1,246 @@
+"""The persistent decoder-stack kernel (`ep.kernels.stack`) against the native executor's
+captured decode step, on the benchmark's Qwen2.5-0.5B-shaped bf16 model (an experiment; H200).
+
+Same process, same weights (read from the model `bench_native.py` builds and caches):
+
+1. **Correctness**: the kernel decodes a ``--prompt`` token by token (each ``--chunks`` size
+   must give bitwise the same logits); its final-norm output at every step is compared with
+   `ep.kernels.stack.reference_step` (NumPy, float32 sums), and its last logits with NumPy's
+   and with the native backend's after a prefill of the same prompt.
+2. **Time**: device ms of one replayed graph of (the embedding row copy, the kernel with its
+   head, the argmax) and without the argmax, against the native backend's captured decode
+   graph (what `profile_native.py` calls "graph"), replayed back to back, rounds interleaved.
+3. ``--trace``: one launch's per-block global-timer stamps, as the median µs of each stage of
+   a layer, of the waits for weights and of the producer's waits for ring space.
+
+    python3 tools/bench_stack.py --out DIR                    # on the H200
+    python3 tools/bench_stack.py --chunks 14336,24576 --trace # chunk sizes, stage times
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+for _path in (ROOT, ROOT / "plugins", ROOT / "graphs", ROOT / "tools"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from _bench import machine_info, replay_ms  # noqa: E402
+from bench_native import QWEN_SPEC, build_or_reuse, model_spec  # noqa: E402
+
+
+def model_weights(folder: Path, layers: int) -> tuple[list[dict[str, np.ndarray]], np.ndarray,
+                                                       np.ndarray]:  # fmt: skip
+    """An `ep_graphs` model's weights as `ep.kernels.stack` takes them: per layer, the final
+    norm's weight, the embedding table (tied: also the head)."""
+    import onnx
+    from onnx import numpy_helper
+
+    init = {i.name: numpy_helper.to_array(i)
+            for i in onnx.load(str(folder / "model.onnx")).graph.initializer}  # fmt: skip
+    names = {
+        "input_norm": "input_layernorm.weight", "qkv": "attn.qkv_proj.MatMul.weight",
+        "qkv_bias": "attn.qkv_proj.Add.bias", "o": "attn.o_proj.MatMul.weight",
+        "post_norm": "post_attention_layernorm.weight",
+        "gate_up": "mlp.gate_up_proj.MatMul.weight", "down": "mlp.down_proj.MatMul.weight",
+    }  # fmt: skip
+    out = [{k: init[f"model.layers.{li}.{v}"] for k, v in names.items()} for li in range(layers)]
+    final = init[f"model.layers.{layers}.final_norm_layernorm.weight"]
+    return out, final, init["model.embed_tokens.weight"]
+
+
+# (name, first stamp, last stamp, over): "all"/"attn", median over those blocks of the stamps'
+# difference; "sync", from the last block's first stamp to the median block's last (the
+# attention blocks' at stamps 4 and 5); "attn-sync", from the last QKV store to the attention
+# blocks' stores. Stamp 15 is the next layer's stamp 0.
+STAGES = (
+    ("norm", 0, 1, "all"),
+    ("QKV projection", 1, 2, "all"),
+    ("QKV store", 2, 3, "all"),
+    ("KV prefetch", 3, 4, "attn"),
+    ("QKV stored -> attention stored", 3, 5, "attn-sync"),
+    ("attention -> O's inputs", 5, 6, "sync"),
+    ("O projection", 6, 7, "all"),
+    ("O residual store", 7, 8, "all"),
+    ("O -> norm's inputs", 8, 9, "sync"),
+    ("norm + gate/up projection", 9, 10, "all"),
+    ("SwiGLU store", 10, 11, "all"),
+    ("gate/up -> down's inputs", 11, 12, "sync"),
+    ("down projection", 12, 13, "all"),
+    ("down residual store", 13, 14, "all"),
+    ("down -> next layer's inputs", 14, 15, "sync"),
+)
+
+
+def stage_times(dev: Any, stream: Any, step: Any) -> dict[str, float]:
+    """Median µs of a layer's stages (layers 2 .. L-3) from one traced launch."""
+    from ep.kernels.stack import TRACE_STAMPS
+
+    shape = step.shape
+    buf = dev.alloc((step.blocks, shape.layers, TRACE_STAMPS), np.uint64, stream=stream)
+    dev.fill(buf, 0, stream=stream)
+    step.launch(stream=stream, trace=buf)
+    t = buf.to_host(stream=stream).astype(np.float64) / 1e3  # µs
+    t[:, :-1, 15] = t[:, 1:, 0]
+    attn = np.arange(shape.heads)
+    mid = range(2, shape.layers - 2)
+    out: dict[str, list[float]] = {name: [] for name, *_ in STAGES}
+    for layer in mid:
+        x = t[:, layer]
+        for name, a, b, over in STAGES:
+            if over == "sync":
+                src = attn if a == 5 else slice(None)
+                out[name].append(float(np.median(x[slice(None), b]) - x[src, a].max()))
+            elif over == "attn-sync":
+                out[name].append(float(np.median(x[attn, b]) - x[:, a].max()))
+            else:
+                rows = attn if over == "attn" else slice(None)
+                out[name].append(float(np.median(x[rows, b] - x[rows, a])))
+    res = {k: float(np.median(v)) for k, v in out.items()}
+    res["layer"] = float(np.median(t[:, 3 : shape.layers - 2, 0] - t[:, 2 : shape.layers - 3, 0]))
+    for k, name in enumerate(("QKV", "O", "gate/up", "down")):
+        res[f"waiting for {name} weights"] = float(np.median(t[:, mid, 16 + k]))
+    res["producer waiting for ring space"] = float(np.median(t[:, mid, 20]))
+    print("a layer's stages (µs, median over layers 2 .. L-3; one launch):")
+    for k, v in res.items():
+        print(f"  {k:34s} {v:7.2f}")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--spec", default=QWEN_SPEC)
+    p.add_argument("--prompt", type=int, default=32)
+    p.add_argument("--reps", type=int, default=100)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--chunks", default="", help="ring chunk sizes in bytes (default: the kernel's)")
+    p.add_argument("--trace", action="store_true", help="also the stages of one launch")
+    p.add_argument("--work", default="/tmp/genai-ep-bench")
+    p.add_argument("--out", default=None)
+    s = p.parse_args(argv)
+
+    from profile_native import profiled_backend
+
+    from ep.device import get_device
+    from ep.kernels import sample
+    from ep.kernels.stack import BF16, StackShape, StackStep, default_chunk, reference_step
+    from ep.model import load_model
+    from ep.ops.rotary import _inv_freq
+
+    spec = model_spec(s.spec, s.context)
+    folder = build_or_reuse(spec, Path(s.work), seed=0, weights=None)
+    layers, final, embed = model_weights(folder, spec.num_layers)
+    shape = StackShape(spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
+                       spec.intermediate_size, spec.num_layers, spec.rms_norm_eps)  # fmt: skip
+    inv_freq = _inv_freq(spec.rope_theta, spec.head_dim)
+    dev = get_device("cuda")
+    stream = dev.create_stream(name="stack")
+    vocab = embed.shape[0]
+    emb = dev.to_device(embed, stream=stream)
+    chunks = [int(c) for c in s.chunks.split(",") if c] or [default_chunk(shape)]
+    steps: list[Any] = []
+    for chunk in chunks:  # one packed copy of the weights serves every chunk size
+        packed = (steps[0].ws, steps[0].starts) if steps else None
+        steps.append(StackStep(dev, shape, layers, final, inv_freq, emb, s.context,
+                               stream=stream, chunk=chunk, packed=packed))  # fmt: skip
+    step = steps[0]
+    print(f"stack: {step.blocks} blocks x {32 * 9} threads, {step.shared} B of shared memory; "
+          f"{step.ws.nbytes / 1e6:.1f} MB of layer weights and {emb.nbytes / 1e6:.1f} MB of "
+          f"head streamed a step; chunks {chunks} B")  # fmt: skip
+    ids = dev.alloc(1, np.int64, stream=stream)
+    scratch = sample.argmax_scratch(dev, 1, stream=stream)
+    row = shape.hidden * BF16.itemsize
+
+    def run(st: Any, token: int, *, argmax: bool) -> None:
+        dev.copy(st.x, emb, stream=stream, src_offset=token * row, nbytes=row)
+        st.launch(stream=stream)
+        if argmax:
+            sample.argmax(dev, ids, st.logits, batch=1, vocab=vocab, scratch=scratch, stream=stream)
+
+    # 1. correctness
+    prompt = np.random.default_rng(1).integers(3, vocab, s.prompt, dtype=np.int64)
+    kc = np.zeros((shape.layers, shape.kv_heads, s.context, shape.head_dim), np.float32)
+    vc = np.zeros_like(kc)
+    ref_layers = [{k: np.asarray(v, np.float32) for k, v in w.items()} for w in layers]
+    errors, chunks_equal = [], True
+    for t, tok in enumerate(prompt):
+        outs = []
+        for st in steps:
+            st.pos.copy_from_host(np.array([t], np.int32), stream=stream)
+            run(st, int(tok), argmax=True)
+            outs.append(st.logits.to_host(stream=stream).view(np.uint16))
+        chunks_equal &= all(np.array_equal(o, outs[0]) for o in outs)
+        want = reference_step(shape, ref_layers, final, inv_freq, embed[tok].astype(np.float32),
+                              t, kc, vc)  # fmt: skip
+        got = step.y.to_host(stream=stream).astype(np.float32)
+        errors.append(float(np.abs(got - want).max() / np.abs(want).max()))
+    print(f"final norm, max |kernel - NumPy| / max |NumPy| over {s.prompt} steps: "
+          f"{min(errors):.2e} .. {max(errors):.2e}; logits of every chunk size bitwise equal: "
+          f"{chunks_equal}")  # fmt: skip
+    ref_logits = want @ embed.astype(np.float32).T
+    got_logits = outs[0].view(BF16).astype(np.float32)
+    backend = profiled_backend(load_model(folder), "cuda")
+    native_logits = np.asarray(backend.prefill([prompt]), np.float32)[0]
+
+    def rel(a: np.ndarray, b: np.ndarray) -> float:
+        return float(np.abs(a - b).max() / np.abs(b).max())
+
+    diffs = {"kernel - NumPy": rel(got_logits, ref_logits),
+             "native - NumPy": rel(native_logits, ref_logits),
+             "kernel - native": rel(got_logits, native_logits)}  # fmt: skip
+    argmaxes = {
+        k: int(v.argmax())
+        for k, v in (("kernel", got_logits), ("native", native_logits), ("NumPy", ref_logits))
+    }
+    top = np.argsort(-ref_logits)[:3]
+    print("last prompt token's logits, max |a - b| / max |b|: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items())
+          + f"; argmax {argmaxes} (NumPy's top 3 {top.tolist()} at "
+          f"{ref_logits[top].round(3).tolist()})")  # fmt: skip
+
+    # 2. time
+    tokens = native_logits.argmax(-1)
+    for _ in range(4):  # eager steps, then the capture policy captures
+        tokens = np.asarray(backend.step(np.atleast_1d(tokens))).argmax(-1)
+    native_graph = list(backend.capture.graphs.values())[-1].graph
+    graphs = {}
+    for chunk, st in zip(chunks, steps, strict=True):
+        st.pos.copy_from_host(np.array([s.prompt], np.int32), stream=stream)
+        for name, argmax in ((f"kernel c{chunk} + argmax", True), (f"kernel c{chunk}", False)):
+            with dev.capture(stream=stream) as cap:
+                run(st, int(prompt[-1]), argmax=argmax)
+            graphs[name] = cap.graph
+    times: dict[str, list[float]] = {"native graph": [], **{k: [] for k in graphs}}
+    for _ in range(s.rounds):
+        times["native graph"].append(replay_ms(dev, backend.stream, native_graph, s.reps))
+        for name, g in graphs.items():
+            times[name].append(replay_ms(dev, stream, g, s.reps))
+    native = statistics.median(times["native graph"])
+    for name, v in times.items():
+        med = statistics.median(v)
+        print(f"{name:26s} {med:.4f} ms a step ({min(v):.4f} .. {max(v):.4f}), "
+              f"{med / native:.3f} x the native graph")  # fmt: skip
+    stages = stage_times(dev, stream, step) if s.trace else None
+    if s.out:
+        out = Path(s.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_stack.json").write_text(json.dumps({
+            "tool": "bench_stack", "machine": machine_info(), "spec": s.spec, "prompt": s.prompt,
+            "blocks": step.blocks, "chunks": chunks, "final_norm_errors": errors,
+            "chunks_bitwise_equal": chunks_equal, "logit_diffs": diffs, "argmax": argmaxes,
+            "times_ms": times, "stages_us": stages,
+        }, indent=1))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
