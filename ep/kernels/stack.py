@@ -41,6 +41,7 @@ import numpy as np
 
 from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream
 from ep.errors import KernelArgumentError
+from ep.kernels._common import PRELUDE
 
 __all__ = [
     "StackShape",
@@ -168,17 +169,15 @@ def _cuda(shape: StackShape, blocks: int, chunk: int, ring: int) -> str:
         "H": shape.hidden, "NH": shape.heads, "NKV": shape.kv_heads, "HD": shape.head_dim,
         "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": chunk, "SLOTS": SLOTS,
         "RING": ring, "CW": CW, "SCORES": SCORES, "RESMAX": _resmax(shape, blocks, chunk),
+        "TRACE_STAMPS": TRACE_STAMPS,
     }  # fmt: skip
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     scale = float(1.0 / np.sqrt(shape.head_dim))
     head += f"#define EPS {float(shape.eps)!r}f\n#define SCALE {scale!r}f\n"
-    return head + _SOURCE
+    return head + PRELUDE + _SOURCE
 
 
 _SOURCE = r"""
-#include <cuda_bf16.h>
-typedef unsigned int u32;
-typedef unsigned long long u64;
 typedef unsigned char u8;
 typedef __nv_bfloat16 bf16;
 
@@ -189,6 +188,7 @@ typedef __nv_bfloat16 bf16;
 #define CT (CW * 32)
 static_assert(H % 8 == 0 && KO % 8 == 0 && INTER % 8 == 0 && HD == 64, "shape");
 static_assert(H / 8 <= CT, "a 16-byte unit of the hidden row a consumer thread");
+static_assert((NQKV / 2 + NB - 1) / NB <= CT, "a block's QKV units, one a consumer thread");
 
 static __device__ __forceinline__ float rbf(float v) {
     return __bfloat162float(__float2bfloat16_rn(v));
@@ -267,18 +267,8 @@ static __device__ __forceinline__ void gather(const u32* src, u32 tag, float* xs
 static __device__ __forceinline__ void cbar() {
     asm volatile("bar.sync 1, %0;" :: "n"(CT) : "memory");
 }
-static __device__ __forceinline__ float wsum(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-static __device__ __forceinline__ float wmax(float v) {
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
 static __device__ float csum(float v, float* scratch, int tid) {
-    v = wsum(v);
+    v = warp_sum(v);
     cbar();
     if ((tid & 31) == 0) scratch[tid >> 5] = v;
     cbar();
@@ -288,7 +278,7 @@ static __device__ float csum(float v, float* scratch, int tid) {
     return t;
 }
 static __device__ float cmax(float v, float* scratch, int tid) {
-    v = wmax(v);
+    v = warp_max(v);
     cbar();
     if ((tid & 31) == 0) scratch[tid >> 5] = v;
     cbar();
@@ -450,6 +440,17 @@ static __device__ __forceinline__ void produce(int ncols, const u8*& src, Ring& 
         bulk_load(r.bytes + start, src, bytes, &r.full[slot]);
         src += bytes;
         ++r.g;
+    }
+}
+
+// The block's columns [c0, c1) of a projection added to the residual (``own``, the block's
+// columns of it), rounded as the graph's SkipRMSNorm rounds its sum, kept and stored tagged.
+static __device__ __forceinline__ void add_residual(int c0, int c1, const float* res, float* own,
+                                                    u32* dst, u32 tag, int tid) {
+    for (int c = c0 + tid; c < c1; c += CT) {
+        const float r = rbf(own[c - c0] + rbf(res[c - c0]));
+        own[c - c0] = r;
+        st_tag(dst + c, r, tag);
     }
 }
 
@@ -618,11 +619,14 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     urange(H, b, u0[3], u1[3]);
     urange(vocab, b, v0, v1);
 
+    // a trace slot of layer l (WAITED) or a stamp (TR): tools/bench_stack.py --trace, below
+#define WAITED(k) \
+    (trace != nullptr ? trace + ((size_t)b * L + l) * TRACE_STAMPS + (k) : nullptr)
     if (warp == CW) {  // the producer: the block's weights in the order the stages use them
         if (lane == 0) {
             const u8* src = ws + wstart[b];
             for (int l = 0; l < L; ++l) {
-                u64* tr = trace != nullptr ? trace + ((size_t)b * L + l) * 32 + 20 : nullptr;
+                u64* tr = WAITED(20);
                 if (tr != nullptr) tr[4] = gtime();  // when this layer's first chunk is placed
                 produce<H, 2>(2 * (u1[0] - u0[0]), src, ring, tr);
                 produce<KO, 1>(u1[1] - u0[1], src, ring, tr);
@@ -640,9 +644,8 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     // of every layer (trace[block][layer][0..14]), adds up its waits for each projection's
     // weights ([16..19]); the producer adds up its waits for ring space ([20]) and stamps when it
     // places a layer's first chunk ([24]). 0: no stamps.
-#define WAITED(k) (trace != nullptr ? trace + ((size_t)b * L + l) * 32 + (k) : nullptr)
 #define TR(k) \
-    if (trace != nullptr && tid == 0) trace[((size_t)b * L + l) * 32 + (k)] = gtime();
+    if (trace != nullptr && tid == 0) trace[((size_t)b * L + l) * TRACE_STAMPS + (k)] = gtime();
     for (int c = u0[1] + tid; c < u1[1]; c += CT) own[c - u0[1]] = __bfloat162float(x_in[c]);
     // this thread's QKV unit (a block has at most CT of them): rotation and destinations
     const int unit = u0[0] + tid;
@@ -711,11 +714,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         project<KO, 1>(u1[1] - u0[1], xs, res, part, ring, warp, lane, tid, WAITED(17));
         TR(7);
         cbar();
-        for (int c = u0[1] + tid; c < u1[1]; c += CT) {
-            const float r1 = rbf(own[c - u0[1]] + rbf(res[c - u0[1]]));
-            own[c - u0[1]] = r1;
-            st_tag(R1 + c, r1, tag);
-        }
+        add_residual(u0[1], u1[1], res, own, R1, tag, tid);
         TR(8);
         // MLP: norm, gate/up with SwiGLU, down and the residual
         gather<H>(R1, tag, xs, tid);
@@ -736,11 +735,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         project<INTER, 1>(u1[3] - u0[3], xs, res, part, ring, warp, lane, tid, WAITED(19));
         TR(13);
         cbar();
-        for (int c = u0[3] + tid; c < u1[3]; c += CT) {
-            const float r = rbf(own[c - u0[3]] + rbf(res[c - u0[3]]));
-            own[c - u0[3]] = r;
-            st_tag(R + c, r, tag);
-        }
+        add_residual(u0[3], u1[3], res, own, R, tag, tid);  // the O columns: H split alike
         TR(14);
     }
     // the final norm (every block), then the head's rows of the block
