@@ -28,12 +28,15 @@ norm and a tied or untied head in one cooperative launch of one block an SM:
 Values are rounded to bf16 where the op-per-launch graph rounds them (each op's output), so the
 step is that graph's up to summation order: `reference_step` is the NumPy form (float32 sums),
 and on the benchmark model the kernel's logits are as far from it as the native executor's
-(tools/bench_stack.py). The KV cache is the kernel's own: [layer][kv head][capacity][head_dim],
-bf16, filled by running the kernel position by position (a prefill is not part of it yet).
+(tools/bench_stack.py). On the CPU device the launch runs that reference (the kernel's NumPy
+twin), so `StackStep` and its tests run without a GPU. The KV cache is the kernel's own:
+[layer][kv head][capacity][head_dim], bf16, filled by running the kernel position by position
+(a prefill is not part of it yet).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -52,6 +55,7 @@ __all__ = [
     "reference_step",
     "shared_bytes",
     "stack_kernel",
+    "unpack_stack",
 ]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -791,8 +795,66 @@ _PARAMS = ("u8*", "u64*", "bf16*", "bf16*", "f32*", "bf16*", "bf16*", "i32", "bf
            "u64")  # fmt: skip
 
 
+def unpack_stack(
+    shape: StackShape, stream: np.ndarray, starts: np.ndarray, blocks: int
+) -> list[dict[str, np.ndarray]]:
+    """`pack_stack`'s inverse: each layer's projections ([K, N] bf16) from the blocks' streams."""
+    bits = np.asarray(stream).view(np.uint8)
+    cols = block_columns(shape, blocks)
+    ks = [k for _, _, k in shape.stages()]
+    ns = (shape.qkv, shape.hidden, 2 * shape.inter, shape.hidden)
+    layers = [
+        {name: np.empty((k, n), BF16) for name, k, n in zip(PROJECTIONS, ks, ns, strict=True)}
+        for _ in range(shape.layers)
+    ]
+    for b in range(blocks):
+        at = int(starts[b])
+        for layer in layers:
+            for s, name in enumerate(PROJECTIONS):
+                size = len(cols[b][s]) * ks[s] * 2
+                chunk = bits[at : at + size].view(BF16).reshape(len(cols[b][s]), ks[s])
+                layer[name][:, cols[b][s]] = chunk.T
+                at += size
+    return layers
+
+
+def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
+    """The NumPy twin the CPU device runs: `reference_step` on the launch's buffers (the
+    weights unpacked from the streams, the cache in float32 and back), the head's logits
+    rounded to bf16, the epoch advanced; the tagged exchange buffers are the GPU's business."""
+
+    def run(
+        ws: np.ndarray, wstart: np.ndarray, norms: np.ndarray, qkv_bias: np.ndarray,
+        inv_freq: np.ndarray, head: np.ndarray, logits: np.ndarray, vocab: np.int32,
+        x_in: np.ndarray, R: np.ndarray, R1: np.ndarray, qkv: np.ndarray, att: np.ndarray,
+        act: np.ndarray, y: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: np.ndarray,
+        epoch: np.ndarray, cap: np.int32, trace: np.uint64,
+    ) -> None:  # fmt: skip
+        h, nl = shape.hidden, shape.layers
+        layers = unpack_stack(shape, ws, wstart, blocks)
+        g = norms[: (2 * nl + 1) * h].reshape(2 * nl + 1, h)
+        bias = qkv_bias[: nl * shape.qkv].reshape(nl, shape.qkv)
+        for li, w in enumerate(layers):
+            w.update(input_norm=g[2 * li], post_norm=g[2 * li + 1], qkv_bias=bias[li])
+        dims = (nl, shape.kv_heads, int(cap), shape.head_dim)
+        n = int(np.prod(dims))
+        k32, v32 = (c[:n].astype(np.float32).reshape(dims) for c in (kc, vc))
+        out = reference_step(
+            shape, layers, g[2 * nl], inv_freq[: shape.head_dim // 2], x_in[:h],
+            int(pos[0]), k32, v32,
+        )  # fmt: skip
+        kc[:n], vc[:n] = k32.reshape(-1), v32.reshape(-1)  # bf16 values: exact both ways
+        y[:h] = out
+        table = head[: int(vocab) * h].reshape(int(vocab), h).astype(np.float32)
+        logits[: int(vocab)] = table @ out
+        epoch[0] = (int(epoch[0]) + 1) % 65535
+
+    return run
+
+
 def stack_kernel(shape: StackShape, blocks: int, chunk: int | None = None) -> KernelSource:
-    """The kernel for ``shape`` on a grid of ``blocks`` (the device's SM count)."""
+    """The kernel for ``shape`` on a grid of ``blocks`` (the device's SM count); on the CPU
+    device its NumPy twin runs (`_twin`)."""
     chunk = chunk or default_chunk(shape)
     shape.check(chunk)
     if (ring := ring_bytes(shape, blocks, chunk)) < 2 * chunk:
@@ -807,6 +869,7 @@ def stack_kernel(shape: StackShape, blocks: int, chunk: int | None = None) -> Ke
         source=_cuda(shape, blocks, chunk, ring_bytes(shape, blocks, chunk)),
         params=_PARAMS,
         options=CompileOptions(cuda_headers=True),
+        cpu=_twin(shape, blocks),
         cooperative=True,
         targets=("sm_90a",),
     )

@@ -1,6 +1,7 @@
 """The persistent decoder-stack kernel (`ep.kernels.stack`): its weight layout, its NumPy
-reference against the native executor, its compile for sm_90a (NVRTC, no GPU needed) and, on an
-H200-class GPU, its steps against the reference, bitwise stable over chunk sizes and replays."""
+reference against the native executor, its compile for sm_90a (NVRTC, no GPU needed), and its
+steps against the reference, bitwise stable over chunk sizes and replays: on the CPU device (the
+NumPy twin: the host side of `StackStep`) and on an H200-class GPU (the kernel)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ep.kernels.stack import (
     pack_stack,
     reference_step,
     stack_kernel,
+    unpack_stack,
 )
 from ep.ops.rotary import _inv_freq
 
@@ -85,6 +87,10 @@ def test_a_block_stream_is_its_columns_in_use_order(rng: np.random.Generator) ->
         got = bits.view(np.uint8)[int(starts[b]) : ends[b]].view(np.uint16)
         assert np.array_equal(got, np.concatenate(want))
     assert bits.nbytes == sum(w[n].nbytes for w in layers for n in ("qkv", "o", "gate_up", "down"))
+    back = unpack_stack(shape, bits, starts, 5)
+    for layer, again in zip(layers, back, strict=True):
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert np.array_equal(again[name].view(np.uint16), layer[name].view(np.uint16))
 
 
 @pytest.mark.parametrize("shape", [QWEN, SMALL], ids=["qwen0.5b", "small"])
@@ -136,11 +142,13 @@ def test_the_reference_step_is_the_native_executors_decoder(
     assert int(native.argmax()) in np.argsort(-ref)[:3]
 
 
-# --- on the GPU ---------------------------------------------------------------------------
+# --- steps: the NumPy twin on the CPU device, the kernel on the GPU ---------------------------
 
 
-@pytest.fixture(scope="module")
-def sm90() -> Device:
+def stack_device(kind: str) -> Device:
+    """The CPU device (the kernel's NumPy twin) or a GPU with sm_90a (a skip on another)."""
+    if kind == "cpu":
+        return get_device("cpu")
     dev = cuda_or_skip()
     if kernel_target(stack_kernel(SMALL, 132), dev.arch) is None:
         pytest.skip(
@@ -149,14 +157,20 @@ def sm90() -> Device:
     return dev
 
 
-@pytest.mark.cuda
 @pytest.mark.parametrize(
-    "shape", [SMALL, StackShape(896, 14, 2, 64, 4864, 2)], ids=["small", "qwen-width"]
+    ("kind", "shape"),
+    [
+        ("cpu", SMALL),
+        pytest.param("cuda", SMALL, marks=pytest.mark.cuda),
+        pytest.param("cuda", StackShape(896, 14, 2, 64, 4864, 2), marks=pytest.mark.cuda),
+    ],
+    ids=["cpu-small", "cuda-small", "cuda-qwen-width"],
 )
 def test_steps_match_the_reference_and_are_bitwise_stable(
-    sm90: Device, shape: StackShape, rng: np.random.Generator
+    kind: str, shape: StackShape, rng: np.random.Generator
 ) -> None:
-    dev, s = sm90, sm90.default_stream
+    dev = stack_device(kind)
+    s = dev.default_stream
     layers = random_layers(shape, rng)
     final = (1 + 0.1 * rng.standard_normal(shape.hidden, np.float32)).astype(BF16)
     table = (rng.standard_normal((1000, shape.hidden), np.float32)).astype(BF16)
