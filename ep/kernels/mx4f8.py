@@ -53,6 +53,7 @@ from ep.kernels.q4p import (
     encode_words,
     gf2_masks,
     mx4_arguments,
+    packed_to_device,
 )
 from ep.ops.matmul import MXFP4_BLOCK, decode_e8m0
 from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
@@ -234,13 +235,8 @@ def upload_mx4f8(
 ) -> PackedMX4F8:
     """`pack_mx4f8` on the host, then the arrays to ``dev``."""
     pw, ps, exact = pack_mx4f8(b, scales, N=N, K=K)
-    return PackedMX4F8(
-        dev.to_device(pw, stream=stream, name=f"{name}.weights"),
-        dev.to_device(ps, stream=stream, name=f"{name}.scales"),
-        N,
-        K,
-        exact,
-    )
+    weights, scale_buffer, _ = packed_to_device(dev, pw, ps, stream=stream, name=name)
+    return PackedMX4F8(weights, scale_buffer, N, K, exact)
 
 
 def launch_shape(dev: Device, N: int, K: int, per_sm: int) -> tuple[int, int, int, tuple[int, int]]:

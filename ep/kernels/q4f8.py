@@ -37,7 +37,7 @@ from ep.device import (
 )
 from ep.kernels import matmul, mx4f8
 from ep.kernels.matmul import _FLAG_EARLY, _FLAG_ZP, _buffer, _disjoint, _x16
-from ep.kernels.q4p import _SIZES, _name, _ring
+from ep.kernels.q4p import _SIZES, _name, _ring, packed_to_device
 from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
 
 __all__ = [
@@ -182,14 +182,9 @@ def upload_q4f8(
     name: str = "q4f8",
 ) -> PackedQ4F8:
     """`pack_q4f8` on the host, then the arrays to ``dev``."""
-    pw, ps, pz = pack_q4f8(b, scales, zero_points, N=N, K=K)
-    return PackedQ4F8(
-        dev.to_device(pw, stream=stream, name=f"{name}.weights"),
-        dev.to_device(ps, stream=stream, name=f"{name}.scales"),
-        None if pz is None else dev.to_device(pz, stream=stream, name=f"{name}.zeros"),
-        N,
-        K,
-    )
+    arrays = packed_to_device(dev, *pack_q4f8(b, scales, zero_points, N=N, K=K),
+                              stream=stream, name=name)  # fmt: skip
+    return PackedQ4F8(*arrays, N, K)
 
 
 def gemv_q4_f8(

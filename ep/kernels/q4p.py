@@ -57,6 +57,7 @@ __all__ = [
     "mx4_arguments",
     "pack_mx4",
     "pack_q4",
+    "packed_to_device",
     "unpack_mx4",
     "unpack_q4",
     "upload_mx4",
@@ -314,6 +315,28 @@ class PackedQ4:
     K: int
 
 
+def packed_to_device(
+    dev: Device,
+    weights: np.ndarray,
+    scales: np.ndarray,
+    zeros: np.ndarray | None = None,
+    *,
+    stream: Stream,
+    name: str,
+) -> tuple[Buffer, Buffer, Buffer | None]:
+    """A repacked weight's host arrays on ``dev`` as ``name.weights``, ``name.scales`` and
+    ``name.zeros`` (None stays None): what every ``upload_*`` of the packed formats does."""
+
+    def up(array: np.ndarray, part: str) -> Buffer:
+        return dev.to_device(array, stream=stream, name=f"{name}.{part}")
+
+    return (
+        up(weights, "weights"),
+        up(scales, "scales"),
+        None if zeros is None else up(zeros, "zeros"),
+    )
+
+
 def upload_q4(
     dev: Device,
     b: np.ndarray,
@@ -326,14 +349,9 @@ def upload_q4(
     name: str = "q4p",
 ) -> PackedQ4:
     """`pack_q4` on the host, then the arrays to ``dev``."""
-    pw, ps, pz = pack_q4(b, scales, zero_points, N=N, K=K)
-    return PackedQ4(
-        dev.to_device(pw, stream=stream, name=f"{name}.weights"),
-        dev.to_device(ps, stream=stream, name=f"{name}.scales"),
-        None if pz is None else dev.to_device(pz, stream=stream, name=f"{name}.zeros"),
-        N,
-        K,
-    )
+    arrays = packed_to_device(dev, *pack_q4(b, scales, zero_points, N=N, K=K), stream=stream,
+                              name=name)  # fmt: skip
+    return PackedQ4(*arrays, N, K)
 
 
 def shared_bytes(M: int, K: int) -> int:
@@ -457,9 +475,10 @@ def upload_mx4(
 ) -> PackedMX4:
     """`pack_mx4` on the host, then the arrays to ``dev``."""
     pw, ps, exact = pack_mx4(b, scales, N=N, K=K, dtype=dtype)
+    weights, scale_buffer, _ = packed_to_device(dev, pw, ps, stream=stream, name=name)
     return PackedMX4(
-        dev.to_device(pw, stream=stream, name=f"{name}.weights"),
-        dev.to_device(ps, stream=stream, name=f"{name}.scales"),
+        weights,
+        scale_buffer,
         N,
         K,
         np.dtype(dtype),  # type: ignore[call-overload]  # checked by pack_mx4

@@ -44,7 +44,7 @@ import numpy as np
 
 from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream
 from ep.errors import KernelArgumentError
-from ep.kernels._common import PRELUDE
+from ep.kernels._common import PRELUDE, SILU_MUL
 
 __all__ = [
     "StackShape",
@@ -178,7 +178,7 @@ def _cuda(shape: StackShape, blocks: int, chunk: int, ring: int) -> str:
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     scale = float(1.0 / np.sqrt(shape.head_dim))
     head += f"#define EPS {float(shape.eps)!r}f\n#define SCALE {scale!r}f\n"
-    return head + PRELUDE + _SOURCE
+    return head + PRELUDE + SILU_MUL + _SOURCE
 
 
 _SOURCE = r"""
@@ -730,7 +730,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         cbar();
         for (int j = u0[2] + tid; j < u1[2]; j += CT) {
             const float g = rbf(res[2 * (j - u0[2])]), u = rbf(res[2 * (j - u0[2]) + 1]);
-            st_tag(act + j, g / (1.0f + expf(-g)) * u, tag);
+            st_tag(act + j, silu_mul(g, u), tag);
         }
         TR(11);
         gather<INTER>(act, tag, xs, tid);
