@@ -312,6 +312,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             piece=config.piece_bytes,
             sources=sources,
             sync_every=config["decode.sync_every"],
+            fused=config["decode.fused"],
         )
     generator = Generator(
         model,
@@ -331,6 +332,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         capture = getattr(generator.backend, "capture_metrics", None)
         if capture is not None:
             out["metrics"]["capture"] = capture.to_dict()
+        fused = getattr(generator.backend, "fused_metrics", None)
+        if fused is not None:  # the native backend's fused decode step
+            out["metrics"]["fused"] = fused
         offload = getattr(generator.backend, "offload_counters", None)
         if offload is not None:  # the native backend's weight store (issue 8)
             out["metrics"]["offload"] = offload

@@ -166,6 +166,12 @@ CORE_OPTIONS: dict[str, Option] = {
     "decode.sync_every": Option(
         "sync_every", int, 1, "decode steps between host synchronisations", check=_positive
     ),
+    "decode.fused": Option(
+        "fused", str, "off",
+        "native backend: batch-1 decode steps as one persistent kernel (on, or auto: CUDA "
+        "only, quietly off where the model does not fit); not bitwise the plan's logits",
+        choices=("auto", "on", "off"),
+    ),
     "offload.budget": Option(
         "budget", str, "100%", "device bytes for weights: bytes, '2GiB' or '50%'",
         check=_parse_check(parse_budget),

@@ -80,7 +80,12 @@ QWEN15_SPEC = (
 )
 SPEC_PRESETS = {"qwen2.5-0.5b": QWEN_SPEC, "qwen2.5-1.5b": QWEN15_SPEC}
 CPU_MODES = ("ort", "native-never", "native-warmup")
-CUDA_MODES = ("native-capture", "native-loop", "native-eager", "hf-eager")
+CUDA_MODES = ("native-capture", "native-loop", "native-fused", "native-fused-loop", "native-eager",
+              "hf-eager")  # fmt: skip
+FUSED_MODES = ("native-fused", "native-fused-loop")  # decode.fused = on: batch 1 only
+# the modes the targets are read from, and their keys' tags
+TARGET_MODES = (("native-capture", ""), ("native-loop", "_loop"), ("native-fused", "_fused"),
+                ("native-fused-loop", "_fused_loop"))  # fmt: skip
 TARGET_B1_MS = 0.5
 TARGET_SCALING = 10.0
 OFFLOAD_NOTE = (
@@ -131,6 +136,7 @@ class ModeRun:
     capture: dict[str, Any] = field(default_factory=dict)
     captures_during_timing: int = 0
     offload: dict[str, Any] = field(default_factory=dict)
+    fused: dict[str, Any] = field(default_factory=dict)
     error: str = ""
     note: str = ""
 
@@ -148,6 +154,8 @@ class ModeRun:
             out["captures_during_timing"] = self.captures_during_timing
         if self.offload:
             out["offload"] = self.offload
+        if self.fused:
+            out["fused"] = self.fused
         if self.error:
             out["error"] = self.error
         if self.note:
@@ -220,6 +228,7 @@ def decode_backend(
         tokens = greedy(logits, banned)
         seen.append(tokens)
     run.tokens.append(np.stack(seen, axis=1).tolist())
+    fused_metrics(backend, run)
     if metrics is not None:
         run.capture = metrics.to_dict()
         run.captures_during_timing += metrics.captures - captures_before
@@ -287,8 +296,16 @@ def decode_loop(
             tokens = out[-1]
             done += n
     run.tokens.append(np.stack(seen, axis=1).tolist())
+    fused_metrics(backend, run)
     run.capture = metrics.to_dict()
     run.captures_during_timing += metrics.captures - recorded
+
+
+def fused_metrics(backend: Any, run: ModeRun) -> None:
+    """A native backend's ``metrics.fused`` into ``run`` when its fused step is on."""
+    fused = getattr(backend, "fused_metrics", None)
+    if fused is not None and fused["mode"] != "off":
+        run.fused = fused
 
 
 def _htod_bytes(backend: Any) -> int:
@@ -501,13 +518,14 @@ def interleave(
     runs: list[ModeRun] = []
     for b in s.batches:
         prompts = make_prompts(b, s.prompt, vocab, s.seed)
-        by_mode = {m: ModeRun(m, b) for m in modes}
+        modes_b = [m for m in modes if b == 1 or m not in FUSED_MODES]
+        by_mode = {m: ModeRun(m, b) for m in modes_b}
         runs += by_mode.values()
-        for m in modes:
+        for m in modes_b:
             if m not in runners:
                 by_mode[m].error = "not built (see errors)"
         for r in range(s.repeats):
-            order = list(modes[r % len(modes) :]) + list(modes[: r % len(modes)])
+            order = list(modes_b[r % len(modes_b) :]) + list(modes_b[: r % len(modes_b)])
             for m in order:
                 run = by_mode[m]
                 if run.error or m not in runners:
@@ -522,7 +540,7 @@ def interleave(
                         decode_backend(runner, prompts, s, banned, run, timer)
                 except Exception as exc:
                     run.error = errors.add(f"{m} batch {b} repeat {r}", exc)
-            done = [f"{m} {statistics.median(by_mode[m].wall_ms):.3f}" for m in modes
+            done = [f"{m} {statistics.median(by_mode[m].wall_ms):.3f}" for m in modes_b
                     if by_mode[m].wall_ms]  # fmt: skip
             print(f"batch {b} repeat {r + 1}/{s.repeats}: ms/step " + ", ".join(done), flush=True)
     return runs
@@ -738,6 +756,8 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
         policies = {
             "native-capture": WarmupCapture(steps=2),
             "native-loop": WarmupCapture(steps=2),
+            "native-fused": WarmupCapture(steps=2),
+            "native-fused-loop": WarmupCapture(steps=2),
             "native-eager": NeverCapture(),
         }
         for mode, policy in policies.items():
@@ -746,9 +766,11 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
                 vocab, banned = model.vocab_size, list(model.eos_token_ids)
                 t0 = time.perf_counter()
                 backend = NativeBackend(
-                    model, make_layout(s.layout), device=dev, capture=policy, cache_dir=s.work
-                )
-                runners[mode] = LoopRunner(backend, s.loop) if mode == "native-loop" else backend
+                    model, make_layout(s.layout), device=dev, capture=policy, cache_dir=s.work,
+                    fused="on" if mode in FUSED_MODES else "off",
+                )  # fmt: skip
+                loop = mode.endswith("-loop")
+                runners[mode] = LoopRunner(backend, s.loop) if loop else backend
                 print(f"{mode}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
             except Exception as exc:
                 errors.add(f"build {mode}", exc)
@@ -787,12 +809,34 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
     close_all(runners, errors)
     result["rows"] = [r.summary() for r in runs]
     offload_rows(result["rows"], result.get("htod"))
-    mismatches = token_mismatches([r for r in runs if r.mode != "hf-eager"], "native-eager")
+    exact = [r for r in runs if r.mode != "hf-eager" and r.mode not in FUSED_MODES]
+    mismatches = token_mismatches(exact, "native-eager")
     result["tokens_match"] = not mismatches
     result["token_mismatches"] = mismatches
+    result["fused_token_agreement"] = fused_agreement(runs)
     result["hf_token_agreement"] = hf_agreement(runs)
     result["targets"] = targets(runs, result.get("floor_ms"))
     return result
+
+
+def fused_agreement(runs: list[ModeRun]) -> dict[str, Any]:
+    """Per fused mode (batch 1): the share of its greedy tokens equal to native-eager's, and
+    the first step where they part, per repeat (None: never). The fused kernel sums in its own
+    order, so near-ties may break the other way (random weights give flat logits)."""
+    out: dict[str, Any] = {}
+    ref = next((r for r in runs if r.mode == "native-eager" and r.batch == 1), None)
+    for run in (r for r in runs if r.mode in FUSED_MODES and r.tokens):
+        if ref is None or not ref.tokens:
+            continue
+        pairs = [(np.array(a[0]), np.array(b[0]))
+                 for a, b in zip(run.tokens, ref.tokens, strict=False)]  # fmt: skip
+        pairs = [(a, b) for a, b in pairs if a.shape == b.shape]
+        if not pairs:
+            continue
+        first = [int(np.argmax(a != b)) if (a != b).any() else None for a, b in pairs]
+        same = float(np.mean([float((a == b).mean()) for a, b in pairs]))
+        out[run.mode] = {"share_equal": same, "first_difference": first}
+    return out
 
 
 def hf_agreement(runs: list[ModeRun]) -> dict[str, float]:
@@ -812,7 +856,7 @@ def targets(runs: list[ModeRun], floor: float | None) -> dict[str, Any]:
     """The DESIGN.md targets, from the capture mode's medians (logits on the host every step)
     and from the device token loop's (``_loop`` keys)."""
     out: dict[str, Any] = {}
-    for mode, tag in (("native-capture", ""), ("native-loop", "_loop")):
+    for mode, tag in TARGET_MODES:
         med = {r.batch: statistics.median(r.wall_ms) for r in runs
                if r.mode == mode and r.wall_ms}  # fmt: skip
         if 1 in med:
@@ -898,7 +942,7 @@ def table(payload: dict[str, Any]) -> str:
             f"/ {c['bytes_per_s'] / 1e12:.2f} TB/s (copy, read + written)"
         )
     t = payload.get("targets", {})
-    for tag, mode in (("", "native-capture"), ("_loop", "native-loop")):
+    for mode, tag in TARGET_MODES:
         if f"batch1_ms{tag}" in t:
             b1 = t[f"batch1_ms{tag}"]
             lines.append(
@@ -913,6 +957,9 @@ def table(payload: dict[str, Any]) -> str:
             )
     if "tokens_match" in payload:
         lines.append("greedy tokens: " + ("identical" if payload["tokens_match"] else "DIFFER"))
+    for mode, agree in payload.get("fused_token_agreement", {}).items():
+        lines.append(f"{mode} tokens equal to native-eager's: {agree['share_equal']:.3f} (first "
+                     f"difference per repeat: {agree['first_difference']})")  # fmt: skip
     for e in payload.get("errors", []):
         lines.append(f"error in {e['part']}: {e['error']}")
     for note in payload.get("notes", []):

@@ -3,18 +3,20 @@ captured decode step, on the benchmark's Qwen2.5-0.5B-shaped bf16 model (an expe
 
 Same process, same weights (read from the model `bench_native.py` builds and caches):
 
-1. **Correctness**: the kernel decodes a ``--prompt`` token by token (each ``--chunks`` size
-   must give bitwise the same logits); its final-norm output at every step is compared with
+1. **Correctness**: the kernel decodes a ``--prompt`` token by token (each of the
+   ``--tunings`` must give bitwise the same logits); its final-norm output at every step is
+   compared with
    `ep.kernels.stack.reference_step` (NumPy, float32 sums), and its last logits with NumPy's
    and with the native backend's after a prefill of the same prompt.
-2. **Time**: device ms of one replayed graph of (the embedding row copy, the kernel with its
-   head, the argmax) and without the argmax, against the native backend's captured decode
-   graph (what `profile_native.py` calls "graph"), replayed back to back, rounds interleaved.
+2. **Time**: device ms of one replayed graph of (the kernel, which reads the token's embedding
+   row itself, with its head; the argmax) and without the argmax, against the native
+   backend's captured decode graph (what `profile_native.py` calls "graph"), replayed back to
+   back, rounds interleaved.
 3. ``--trace``: one launch's per-block global-timer stamps, as the median µs of each stage of
    a layer, of the waits for weights and of the producer's waits for ring space.
 
     python3 tools/bench_stack.py --out DIR                    # on the H200
-    python3 tools/bench_stack.py --chunks 14336,24576 --trace # chunk sizes, stage times
+    python3 tools/bench_stack.py --tunings 8:0:1,11:0:4 --trace  # warps:chunk:min_cols, stages
 """
 
 from __future__ import annotations
@@ -106,8 +108,8 @@ def stage_times(dev: Any, stream: Any, step: Any) -> dict[str, float]:
                 out[name].append(float(np.median(x[rows, b] - x[rows, a])))
     res = {k: float(np.median(v)) for k, v in out.items()}
     res["layer"] = float(np.median(t[:, 3 : shape.layers - 2, 0] - t[:, 2 : shape.layers - 3, 0]))
-    for k, name in enumerate(("QKV", "O", "gate/up", "down")):
-        res[f"waiting for {name} weights"] = float(np.median(t[:, mid, 16 + k]))
+    for i, name in enumerate(("QKV", "O", "gate/up", "down")):
+        res[f"waiting for {name} weights"] = float(np.median(t[:, mid, 16 + i]))
     res["producer waiting for ring space"] = float(np.median(t[:, mid, 20]))
     print("a layer's stages (µs, median over layers 2 .. L-3; one launch):")
     for k, v in res.items():
@@ -122,7 +124,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=100)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--context", type=int, default=2048)
-    p.add_argument("--chunks", default="", help="ring chunk sizes in bytes (default: the kernel's)")
+    p.add_argument(
+        "--tunings",
+        default="",
+        help="comma-separated warps:chunk:min_cols "
+        "(`ep.kernels.stack.StackTuning`; chunk 0: the default; default: the kernel's)",
+    )
     p.add_argument("--trace", action="store_true", help="also the stages of one launch")
     p.add_argument("--work", default="/tmp/genai-ep-bench")
     p.add_argument("--out", default=None)
@@ -132,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ep.device import get_device
     from ep.kernels import sample
-    from ep.kernels.stack import BF16, StackShape, StackStep, default_chunk, reference_step
+    from ep.kernels.stack import StackShape, StackStep, StackTuning, reference_step
     from ep.model import load_model
     from ep.ops.rotary import _inv_freq
 
@@ -146,48 +153,54 @@ def main(argv: list[str] | None = None) -> int:
     stream = dev.create_stream(name="stack")
     vocab = embed.shape[0]
     emb = dev.to_device(embed, stream=stream)
-    chunks = [int(c) for c in s.chunks.split(",") if c] or [default_chunk(shape)]
+    tunings = [StackTuning(*(int(v) for v in t.split(":"))) for t in s.tunings.split(",") if t]
+    tunings = [t.resolved(shape) for t in tunings or [StackTuning()]]
+    names = [f"w{t.warps} c{t.chunk} m{t.min_cols}" for t in tunings]
     steps: list[Any] = []
-    for chunk in chunks:  # one packed copy of the weights serves every chunk size
+    for tuning in tunings:  # one packed copy of the weights serves every tuning
         packed = (steps[0].ws, steps[0].starts) if steps else None
         steps.append(StackStep(dev, shape, layers, final, inv_freq, emb, s.context,
-                               stream=stream, chunk=chunk, packed=packed))  # fmt: skip
+                               stream=stream, tuning=tuning, packed=packed))  # fmt: skip
     step = steps[0]
-    print(f"stack: {step.blocks} blocks x {32 * 9} threads, {step.shared} B of shared memory; "
+    print(f"stack: {step.blocks} blocks x {step.threads} threads, {step.shared} B of shared "
+          "memory; "
           f"{step.ws.nbytes / 1e6:.1f} MB of layer weights and {emb.nbytes / 1e6:.1f} MB of "
-          f"head streamed a step; chunks {chunks} B")  # fmt: skip
+          f"head streamed a step; tunings {names}")  # fmt: skip
     ids = dev.alloc(1, np.int64, stream=stream)
     scratch = sample.argmax_scratch(dev, 1, stream=stream)
-    row = shape.hidden * BF16.itemsize
 
-    def run(st: Any, token: int, *, argmax: bool) -> None:
-        dev.copy(st.x, emb, stream=stream, src_offset=token * row, nbytes=row)
+    def run(st: Any, *, argmax: bool) -> None:
         st.launch(stream=stream)
         if argmax:
-            sample.argmax(dev, ids, st.logits, batch=1, vocab=vocab, scratch=scratch, stream=stream)
+            sample.argmax(dev, ids, st.io.logits, batch=1, vocab=vocab, scratch=scratch,
+                          stream=stream)  # fmt: skip
 
     # 1. correctness
     prompt = np.random.default_rng(1).integers(3, vocab, s.prompt, dtype=np.int64)
-    kc = np.zeros((shape.layers, shape.kv_heads, s.context, shape.head_dim), np.float32)
-    vc = np.zeros_like(kc)
+    kc = list(np.zeros((shape.layers, shape.kv_heads, s.context, shape.head_dim), np.float32))
+    vc = list(np.zeros((shape.layers, shape.kv_heads, s.context, shape.head_dim), np.float32))
     ref_layers = [{k: np.asarray(v, np.float32) for k, v in w.items()} for w in layers]
-    errors, chunks_equal = [], True
+    errors, tunings_equal = [], True
     for t, tok in enumerate(prompt):
         outs = []
         for st in steps:
-            st.pos.copy_from_host(np.array([t], np.int32), stream=stream)
-            run(st, int(tok), argmax=True)
-            outs.append(st.logits.to_host(stream=stream).view(np.uint16))
-        chunks_equal &= all(np.array_equal(o, outs[0]) for o in outs)
+            st.io.ids.copy_from_host(np.array([tok]), stream=stream)
+            st.io.pos.copy_from_host(np.array([t]), stream=stream)
+            run(st, argmax=True)
+            outs.append(st.io.logits.to_host(stream=stream).copy())
+        # another warp count sums long columns in another order: only same-warps runs compare
+        tunings_equal &= all(np.array_equal(o, outs[0]) for o, t in zip(outs, tunings, strict=True)
+                             if t.warps == tunings[0].warps)  # fmt: skip
         want = reference_step(shape, ref_layers, final, inv_freq, embed[tok].astype(np.float32),
                               t, kc, vc)  # fmt: skip
         got = step.y.to_host(stream=stream).astype(np.float32)
         errors.append(float(np.abs(got - want).max() / np.abs(want).max()))
     print(f"final norm, max |kernel - NumPy| / max |NumPy| over {s.prompt} steps: "
-          f"{min(errors):.2e} .. {max(errors):.2e}; logits of every chunk size bitwise equal: "
-          f"{chunks_equal}")  # fmt: skip
+          f"{min(errors):.2e} .. {max(errors):.2e}; logits of every tuning with the first's "
+          "warps bitwise equal: "
+          f"{tunings_equal}")  # fmt: skip
     ref_logits = want @ embed.astype(np.float32).T
-    got_logits = outs[0].view(BF16).astype(np.float32)
+    got_logits = outs[0]
     backend = profiled_backend(load_model(folder), "cuda")
     native_logits = np.asarray(backend.prefill([prompt]), np.float32)[0]
 
@@ -213,11 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         tokens = np.asarray(backend.step(np.atleast_1d(tokens))).argmax(-1)
     native_graph = list(backend.capture.graphs.values())[-1].graph
     graphs = {}
-    for chunk, st in zip(chunks, steps, strict=True):
-        st.pos.copy_from_host(np.array([s.prompt], np.int32), stream=stream)
-        for name, argmax in ((f"kernel c{chunk} + argmax", True), (f"kernel c{chunk}", False)):
+    for tag, st in zip(names, steps, strict=True):
+        st.io.pos.copy_from_host(np.array([s.prompt]), stream=stream)
+        for name, argmax in ((f"kernel {tag} + argmax", True), (f"kernel {tag}", False)):
             with dev.capture(stream=stream) as cap:
-                run(st, int(prompt[-1]), argmax=argmax)
+                run(st, argmax=argmax)
             graphs[name] = cap.graph
     times: dict[str, list[float]] = {"native graph": [], **{k: [] for k in graphs}}
     for _ in range(s.rounds):
@@ -235,8 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_stack.json").write_text(json.dumps({
             "tool": "bench_stack", "machine": machine_info(), "spec": s.spec, "prompt": s.prompt,
-            "blocks": step.blocks, "chunks": chunks, "final_norm_errors": errors,
-            "chunks_bitwise_equal": chunks_equal, "logit_diffs": diffs, "argmax": argmaxes,
+            "blocks": step.blocks, "tunings": names, "final_norm_errors": errors,
+            "tunings_bitwise_equal": tunings_equal, "logit_diffs": diffs, "argmax": argmaxes,
             "times_ms": times, "stages_us": stages,
         }, indent=1))  # fmt: skip
     return 0

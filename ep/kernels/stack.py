@@ -36,7 +36,8 @@ twin), so `StackStep` and its tests run without a GPU. The KV cache is the kerne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -47,10 +48,14 @@ from ep.errors import KernelArgumentError
 from ep.kernels._common import PRELUDE, SILU_MUL
 
 __all__ = [
+    "StackIO",
     "StackShape",
     "StackStep",
+    "StackTuning",
     "block_columns",
+    "cache_views",
     "default_chunk",
+    "kv_addresses",
     "pack_stack",
     "reference_step",
     "shared_bytes",
@@ -77,6 +82,11 @@ class StackShape:
     inter: int
     layers: int
     eps: float = 1e-6
+    scale: float = 0.0  # attention's score scale; 0: 1 / sqrt(head_dim)
+
+    @property
+    def attention_scale(self) -> float:
+        return self.scale or float(1.0 / np.sqrt(self.head_dim))
 
     @property
     def qkv(self) -> int:
@@ -91,8 +101,9 @@ class StackShape:
             (self.hidden, 1, self.inter),
         ]
 
-    def check(self, chunk: int) -> None:
-        """Refuse a shape the kernel does not handle, saying what it needs."""
+    def check(self, tuning: StackTuning) -> None:
+        """Refuse a shape (or a tuning of it) the kernel does not handle, saying what it needs."""
+        chunk, warps = tuning.chunk_bytes(self.hidden), tuning.warps
         problems = []
         if self.head_dim != 64:
             problems.append(f"head_dim {self.head_dim} (the kernel needs 64)")
@@ -100,20 +111,48 @@ class StackShape:
             problems.append(f"{self.heads} heads over {self.kv_heads} KV heads (not a multiple)")
         if self.hidden % 8 or self.inter % 8:
             problems.append("hidden and intermediate sizes must be multiples of 8")
-        if self.hidden // 8 > 32 * CW:
-            problems.append(f"hidden {self.hidden} above {8 * 32 * CW}")
-        if 4 * self.hidden > chunk or 2 * self.inter > chunk or chunk % 16:
-            problems.append(f"chunk {chunk} B must hold a column pair of K = hidden and a "
-                            "column of K = intermediate, in 16-byte units")  # fmt: skip
+        if not 1 <= warps <= 15 or tuning.min_cols < 1:
+            problems.append(f"{warps} consumer warps (1 to 15) and chunks of {tuning.min_cols} "
+                            "columns at least (1 or more)")  # fmt: skip
+        elif self.hidden // 8 > 32 * warps:
+            problems.append(f"hidden {self.hidden} above {8 * 32 * warps}")
+        if 4 * self.hidden > chunk or chunk % 16:  # (long columns get chunks of their own size)
+            problems.append(f"chunk {chunk} B must hold a column pair of K = hidden, in 16-byte "
+                            "units")  # fmt: skip
         if problems:
             raise KernelArgumentError(f"persistent stack: {self} is not supported: "
                                       + "; ".join(problems))  # fmt: skip
 
 
-def default_chunk(shape: StackShape) -> int:
-    """A chunk of CW columns of K = hidden (one a warp), or one column of the down projection:
-    the fastest of the sizes measured on the H200 (docs/benchmarks/native.md)."""
-    return max(CW * 2 * shape.hidden, 2 * shape.inter)
+def default_chunk(shape: StackShape, warps: int = CW) -> int:
+    """A chunk of ``warps`` columns of K = hidden (one a warp), or one column of the down
+    projection: the fastest of the sizes measured on the H200 (docs/benchmarks/native.md)."""
+    return max(warps * 2 * shape.hidden, 2 * shape.inter)
+
+
+@dataclass(frozen=True)
+class StackTuning:
+    """How the kernel splits a block's work (defaults: the fastest measured on the H200).
+
+    ``warps``: consumer warps a block (one more produces); ``chunk``: bytes of a ring chunk
+    (whole columns; 0: `default_chunk`); ``min_cols``: columns a chunk holds at least, so long
+    columns (K = intermediate: the down projection) come several a chunk, in a bigger one."""
+
+    warps: int = CW
+    chunk: int = 0
+    min_cols: int = 4
+
+    def resolved(self, shape: StackShape) -> StackTuning:
+        return StackTuning(self.warps, self.chunk or default_chunk(shape, self.warps),
+                           self.min_cols)  # fmt: skip
+
+    def chunk_bytes(self, k: int) -> int:
+        """A chunk's bytes for columns of ``k`` (the kernel's ``chunk_bytes<K>``)."""
+        return self.chunk if self.chunk // (2 * k) >= self.min_cols else 2 * k * self.min_cols
+
+    def largest_chunk(self, shape: StackShape) -> int:
+        return max(self.chunk_bytes(k) for k in (shape.hidden, shape.heads * shape.head_dim,
+                                                 shape.inter))  # fmt: skip
 
 
 def _range(units: int, b: int, blocks: int) -> tuple[int, int]:
@@ -162,21 +201,22 @@ def pack_stack(
     return np.concatenate(parts), np.asarray(starts, np.uint64)
 
 
-def _resmax(shape: StackShape, blocks: int, chunk: int) -> int:
+def _resmax(shape: StackShape, blocks: int, t: StackTuning) -> int:
     """Sums a block keeps for one projection (its gate/up columns) or one batch of head rows
     (at least a chunk's)."""
-    return max(2 * (-(-shape.inter // blocks)) + 2, chunk // (2 * shape.hidden))
+    h = shape.hidden
+    return max(2 * (-(-shape.inter // blocks)) + 2, t.chunk_bytes(h) // (2 * h))
 
 
-def _cuda(shape: StackShape, blocks: int, chunk: int, ring: int) -> str:
+def _cuda(shape: StackShape, blocks: int, t: StackTuning, ring: int) -> str:
     defines = {
         "H": shape.hidden, "NH": shape.heads, "NKV": shape.kv_heads, "HD": shape.head_dim,
-        "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": chunk, "SLOTS": SLOTS,
-        "RING": ring, "CW": CW, "SCORES": SCORES, "RESMAX": _resmax(shape, blocks, chunk),
-        "TRACE_STAMPS": TRACE_STAMPS,
+        "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": t.chunk,
+        "MIN_COLS": t.min_cols, "SLOTS": SLOTS, "RING": ring, "CW": t.warps, "SCORES": SCORES,
+        "RESMAX": _resmax(shape, blocks, t), "TRACE_STAMPS": TRACE_STAMPS,
     }  # fmt: skip
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    scale = float(1.0 / np.sqrt(shape.head_dim))
+    scale = float(np.float32(shape.attention_scale))
     head += f"#define EPS {float(shape.eps)!r}f\n#define SCALE {scale!r}f\n"
     return head + PRELUDE + SILU_MUL + _SOURCE
 
@@ -337,8 +377,13 @@ static __device__ __forceinline__ u32 ring_place(Ring& r, u32 bytes, u32& claim)
     return start;
 }
 
+// a chunk of columns of K holds CHUNK bytes, or MIN_COLS columns where those are more
+template <int K>
+__host__ __device__ constexpr int chunk_bytes() {
+    return CHUNK / (K * 2) >= MIN_COLS ? CHUNK : K * 2 * MIN_COLS;
+}
 template <int K, int PER>
-__host__ __device__ constexpr int chunk_cols() { return (CHUNK / (K * 2)) / PER * PER; }
+__host__ __device__ constexpr int chunk_cols() { return (chunk_bytes<K>() / (K * 2)) / PER * PER; }
 
 // res[c] = x . column c for the block's ncols columns of one projection, from the ring.
 // Short columns (K / 8 <= 4 * 32 16-byte units): a warp takes whole columns, up to CMAX of a
@@ -491,10 +536,10 @@ static __device__ void norm_xs(const uint4& g, float* xs, float* scratch, int ti
 #define VJ 16
 struct Prefetch { uint4 k[HD / 8]; u32 v[VJ]; };
 static __device__ __forceinline__ void attend_prefetch(Prefetch& pf, int pos, const bf16* kb,
-                                                       const bf16* vb, int tid, int warp,
-                                                       int lane) {
+                                                       const bf16* vb, i64 ts, int tid,
+                                                       int warp, int lane) {
     if (tid < pos) {
-        const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)tid * HD);
+        const uint4* kr = reinterpret_cast<const uint4*>(kb + tid * ts);
 #pragma unroll
         for (int v = 0; v < HD / 8; ++v) pf.k[v] = __ldcg(kr + v);
     }
@@ -502,12 +547,12 @@ static __device__ __forceinline__ void attend_prefetch(Prefetch& pf, int pos, co
     for (int j = 0; j < VJ; ++j) {
         const int t = warp + CW * j;
         if (t < pos)
-            pf.v[j] = __ldcg(reinterpret_cast<const unsigned int*>(vb + (size_t)t * HD) + lane);
+            pf.v[j] = __ldcg(reinterpret_cast<const unsigned int*>(vb + t * ts) + lane);
     }
 }
 static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv, u32 tag,
-                              const bf16* kb, const bf16* vb, u32* att, float* sc, float* qs,
-                              float* kn, float* vn, float* part, float* scratch, int tid,
+                              const bf16* kb, const bf16* vb, i64 ts, u32* att, float* sc,
+                              float* qs, float* kn, float* vn, float* part, float* scratch, int tid,
                               int warp, int lane) {
     const int kvh = h / (NH / NKV), ctx = pos + 1;
     if (tid < 3 * HD / 4) {  // q, the new k, the new v: 16 words of 4 each
@@ -534,7 +579,7 @@ static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv
 #pragma unroll
                 for (int v = 0; v < HD / 8; ++v) w[v] = pf.k[v];
             } else {
-                const uint4* kr = reinterpret_cast<const uint4*>(kb + (size_t)t * HD);
+                const uint4* kr = reinterpret_cast<const uint4*>(kb + t * ts);
 #pragma unroll
                 for (int v = 0; v < HD / 8; ++v) w[v] = __ldcg(kr + v);
             }
@@ -564,7 +609,7 @@ static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv
     }
 #pragma unroll 4
     for (int t = warp + CW * VJ; t < pos; t += CW) {
-        const u32 raw = __ldcg(reinterpret_cast<const unsigned int*>(vb + (size_t)t * HD) + lane);
+        const u32 raw = __ldcg(reinterpret_cast<const unsigned int*>(vb + t * ts) + lane);
         const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
         o0 = fmaf(sc[t], v.x, o0);
         o1 = fmaf(sc[t], v.y, o1);
@@ -587,9 +632,10 @@ static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv
 extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     const u8* __restrict__ ws, const u64* __restrict__ wstart, const bf16* __restrict__ norms,
     const bf16* __restrict__ qkv_bias, const float* __restrict__ inv_freq,
-    const bf16* __restrict__ head, bf16* logits, int vocab, const bf16* __restrict__ x_in,
-    u32* R, u32* R1, u32* qkv, u32* att, u32* act, bf16* y, bf16* kc, bf16* vc,
-    const int* __restrict__ posp, u32* epoch_at, int cap, u64 trace_at) {
+    const bf16* __restrict__ head, float* logits, int vocab, const bf16* __restrict__ embed,
+    int embed_rows, const i64* __restrict__ ids, u32* R, u32* R1, u32* qkv, u32* att, u32* act,
+    bf16* y, const u64* __restrict__ kv, i64 ts, i64 hs, const i64* __restrict__ posp,
+    u32* epoch_at, int cap, u32* status, u64 trace_at) {
     extern __shared__ __align__(128) u8 smem[];
     u64* full = reinterpret_cast<u64*>(smem);
     u64* empty = full + SLOTS;
@@ -606,14 +652,23 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     float* sc = part + CW * (RESMAX > HD ? RESMAX : HD);
     u64* trace = reinterpret_cast<u64*>(trace_at);
     __shared__ u32 s_epoch;
+    __shared__ int s_pos;
+    __shared__ u64 s_kv[2 * L];  // the caches' addresses, read once (not a load a layer)
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x;
+    for (int i = tid; i < 2 * L; i += blockDim.x) s_kv[i] = kv[i];
     if (tid == 0) {
         for (int s = 0; s < SLOTS; ++s) { mbar_init(&full[s], 1); mbar_init(&empty[s], CW); }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         s_epoch = *reinterpret_cast<volatile u32*>(epoch_at);
+        const i64 p = *posp;
+        s_pos = p < 0 || p >= cap || p >= SCORES ? -1 : (int)p;
+        if (s_pos < 0 && b == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
     }
     __syncthreads();
+    // Every block read the same position: all of them (the producers too) leave, or none.
+    if (s_pos < 0) return;
+    const int pos = s_pos;
     const u32 tag0 = s_epoch * (u32)L;
     Ring ring{ring_bytes, full, empty, 0u, 0u, 0u, 0u, claims};
     int u0[4], u1[4], v0, v1;
@@ -643,24 +698,34 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         return;
     }
 
-    const int pos = *posp;
     // tools/bench_stack.py --trace: each block's thread 0 stamps the global timer at 15 points
     // of every layer (trace[block][layer][0..14]), adds up its waits for each projection's
     // weights ([16..19]); the producer adds up its waits for ring space ([20]) and stamps when it
     // places a layer's first chunk ([24]). 0: no stamps.
 #define TR(k) \
     if (trace != nullptr && tid == 0) trace[((size_t)b * L + l) * TRACE_STAMPS + (k)] = gtime();
-    for (int c = u0[1] + tid; c < u1[1]; c += CT) own[c - u0[1]] = __bfloat162float(x_in[c]);
+    // the token's embedding row (an id outside the table: zeros, and the fault bit, as Gather)
+    const i64 id = *ids;
+    const bool id_ok = id >= 0 && id < embed_rows;
+    if (!id_ok && b == 0 && tid == 0) set_fault(status, 1u);  // KernelFault.TOKEN_ID
+    const bf16* x_in = embed + (id_ok ? id : 0) * H;
+    for (int c = u0[1] + tid; c < u1[1]; c += CT)
+        own[c - u0[1]] = id_ok ? __bfloat162float(x_in[c]) : 0.0f;
+    for (int i = tid; i < H; i += CT) xs[i] = id_ok ? __bfloat162float(x_in[i]) : 0.0f;
     // this thread's QKV unit (a block has at most CT of them): rotation and destinations
     const int unit = u0[0] + tid;
     const bool has_unit = unit < u1[0];
     const int hh = unit / (HD / 2), ri = unit % (HD / 2), ca = hh * HD + ri, cb = ca + HD / 2;
     float sn = 0.0f, cs = 1.0f;
     if (has_unit && hh < NH + NKV) sincosf((float)pos * inv_freq[ri], &sn, &cs);
-    bf16* cache = nullptr;
+    // a K or V unit's place in every layer's cache: kv[layer] (keys) or kv[L + layer] (values)
+    // + kv head * hs + pos * ts
+    const u64* cache = nullptr;
+    i64 at = 0;
     if (has_unit && hh >= NH) {
         const int kvh = hh < NH + NKV ? hh - NH : hh - NH - NKV;
-        cache = (hh < NH + NKV ? kc : vc) + ((size_t)kvh * cap + pos) * HD;
+        cache = s_kv + (hh < NH + NKV ? 0 : L);
+        at = kvh * hs + pos * ts;
     }
     for (int l = 0; l < L; ++l) {
         const u32 tag = 1u + (tag0 + (u32)l) % 65535u;
@@ -673,11 +738,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
             bc = __bfloat162float(qkv_bias[(size_t)l * NQKV + cb]);
         }
         // norm, QKV projection, bias, rotary embedding, KV commit
-        if (l == 0) {
-            for (int i = tid; i < H; i += CT) xs[i] = __bfloat162float(x_in[i]);
-        } else {
-            gather<H>(R, prev, xs, tid);
-        }
+        if (l > 0) gather<H>(R, prev, xs, tid);  // layer 0's: the embedding row, above
         cbar();
         TR(0);
         norm_xs(g1, xs, scratch, tid);
@@ -696,19 +757,21 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
             st_tag(qkv + ca, a, tag);
             st_tag(qkv + cb, c, tag);
             if (cache != nullptr) {
-                bf16* dst = cache + (size_t)l * NKV * cap * HD;
+                bf16* dst = reinterpret_cast<bf16*>(cache[l]) + at;
                 dst[ri] = __float2bfloat16_rn(a);
                 dst[ri + HD / 2] = __float2bfloat16_rn(c);
             }
         }
         TR(3);
         if (b < NH) {
-            const size_t base = ((size_t)l * NKV + b / (NH / NKV)) * cap * HD;
+            const i64 base = (b / (NH / NKV)) * hs;
+            const bf16* kb = reinterpret_cast<const bf16*>(s_kv[l]) + base;
+            const bf16* vb = reinterpret_cast<const bf16*>(s_kv[L + l]) + base;
             Prefetch pf;
-            attend_prefetch(pf, pos, kc + base, vc + base, tid, warp, lane);
+            attend_prefetch(pf, pos, kb, vb, ts, tid, warp, lane);
             TR(4);
-            attend(pf, b, pos, qkv, tag, kc + base, vc + base, att, sc, qs, kn, vn, part, scratch,
-                   tid, warp, lane);
+            attend(pf, b, pos, qkv, tag, kb, vb, ts, att, sc, qs, kn, vn, part, scratch, tid, warp,
+                   lane);
             TR(5);
         }
         // O projection and the residual
@@ -756,7 +819,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         const int n = min(STEP, v1 - c0);
         project<H, 1>(n, xs, res, part, ring, warp, lane, tid);
         cbar();
-        for (int c = tid; c < n; c += CT) logits[c0 + c] = __float2bfloat16_rn(res[c]);
+        for (int c = tid; c < n; c += CT) logits[c0 + c] = rbf(res[c]);
         cbar();
     }
     // Every block read the epoch before its first store, and block 0's last gather saw every
@@ -770,29 +833,48 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
 SHARED = 232448  # the most shared memory a block may have on sm_90 (227 KiB)
 
 
-def _float_bytes(shape: StackShape, blocks: int, chunk: int) -> int:
+def _float_bytes(shape: StackShape, blocks: int, t: StackTuning) -> int:
     xmax = max(shape.inter, shape.hidden)
-    resmax = _resmax(shape, blocks, chunk)
+    resmax = _resmax(shape, blocks, t)
     own = -(-shape.hidden // blocks) + 1
     hd = shape.head_dim
-    return 4 * (xmax + resmax + own + 32 + 3 * hd + CW * max(hd, resmax) + SCORES)
+    return 4 * (xmax + resmax + own + 32 + 3 * hd + t.warps * max(hd, resmax) + SCORES)
 
 
-def ring_bytes(shape: StackShape, blocks: int, chunk: int) -> int:
-    """The weight ring: the shared memory left, in 16-byte units."""
-    return (SHARED - 1024 - _float_bytes(shape, blocks, chunk) - 256) // 16 * 16
+def ring_bytes(shape: StackShape, blocks: int, t: StackTuning) -> int:
+    """The weight ring: the shared memory left, in 16-byte units (after the static shared
+    memory: the caches' 2 L addresses, the epoch and position, room for the compiler's own)."""
+    static = 16 * shape.layers + 256
+    return (SHARED - 1024 - _float_bytes(shape, blocks, t) - static) // 16 * 16
 
 
-def shared_bytes(shape: StackShape, blocks: int, chunk: int) -> int:
+def shared_bytes(shape: StackShape, blocks: int, t: StackTuning) -> int:
     """Dynamic shared memory of a block: mbarriers, the ring, the float scratch."""
-    return 1024 + ring_bytes(shape, blocks, chunk) + _float_bytes(shape, blocks, chunk)
+    return 1024 + ring_bytes(shape, blocks, t) + _float_bytes(shape, blocks, t)
 
 
-# ws, wstart, norms, qkv_bias, inv_freq, head, logits, vocab, x_in, R, R1, qkv, att, act, y,
-# kc, vc, pos, epoch, cap, trace address
-_PARAMS = ("u8*", "u64*", "bf16*", "bf16*", "f32*", "bf16*", "bf16*", "i32", "bf16*", "u32*",
-           "u32*", "u32*", "u32*", "u32*", "bf16*", "bf16*", "bf16*", "i32*", "u32*", "i32",
-           "u64")  # fmt: skip
+# ws, wstart, norms, qkv_bias, inv_freq, head, logits, vocab, embed, embed_rows, ids, R, R1,
+# qkv, att, act, y, kv (2 L addresses), ts, hs, pos, epoch, cap, status, trace address
+_PARAMS = ("u8*", "u64*", "bf16*", "bf16*", "f32*", "bf16*", "f32*", "i32", "bf16*", "i32",
+           "i64*", "u32*", "u32*", "u32*", "u32*", "u32*", "bf16*", "u64*", "i64", "i64", "i64*",
+           "u32*", "i32", "u32*", "u64")  # fmt: skip
+
+
+def cache_views(
+    shape: StackShape, addresses: np.ndarray, ts: int, hs: int, capacity: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The CPU device's K and V caches as the kernel sees them: layer l's keys at address
+    ``addresses[l]``, values at ``addresses[L + l]``, element (head, t, d) at head * hs + t * ts + d
+    (bf16 views [kv_heads, capacity, head_dim] of the host memory the CPU device's buffers are)."""
+    import ctypes
+
+    n = (shape.kv_heads - 1) * hs + (capacity - 1) * ts + shape.head_dim
+    views = []
+    for address in np.asarray(addresses, np.uint64).reshape(-1)[: 2 * shape.layers]:
+        flat = np.frombuffer(memoryview((ctypes.c_uint16 * n).from_address(int(address))), BF16)
+        dims = (shape.kv_heads, capacity, shape.head_dim)
+        views.append(np.lib.stride_tricks.as_strided(flat, dims, (2 * hs, 2 * ts, 2)))
+    return views[: shape.layers], views[shape.layers :]
 
 
 def unpack_stack(
@@ -826,47 +908,57 @@ def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
     def run(
         ws: np.ndarray, wstart: np.ndarray, norms: np.ndarray, qkv_bias: np.ndarray,
         inv_freq: np.ndarray, head: np.ndarray, logits: np.ndarray, vocab: np.int32,
-        x_in: np.ndarray, R: np.ndarray, R1: np.ndarray, qkv: np.ndarray, att: np.ndarray,
-        act: np.ndarray, y: np.ndarray, kc: np.ndarray, vc: np.ndarray, pos: np.ndarray,
-        epoch: np.ndarray, cap: np.int32, trace: np.uint64,
+        embed: np.ndarray, embed_rows: np.int32, ids: np.ndarray, R: np.ndarray, R1: np.ndarray,
+        qkv: np.ndarray, att: np.ndarray, act: np.ndarray, y: np.ndarray, kv: np.ndarray,
+        ts: np.int64, hs: np.int64, pos: np.ndarray, epoch: np.ndarray, cap: np.int32,
+        status: np.ndarray, trace: np.uint64,
     ) -> None:  # fmt: skip
         h, nl = shape.hidden, shape.layers
+        p = int(pos[0])
+        if not 0 <= p < min(int(cap), SCORES):
+            status[0] |= np.uint32(4)  # KernelFault.KV_POSITION: the kernel does nothing
+            return
+        token = int(ids[0])
+        x = np.zeros(h, np.float32)
+        if 0 <= token < int(embed_rows):
+            x = embed[token * h : (token + 1) * h].astype(np.float32)
+        else:
+            status[0] |= np.uint32(1)  # KernelFault.TOKEN_ID: a zero row
         layers = unpack_stack(shape, ws, wstart, blocks)
         g = norms[: (2 * nl + 1) * h].reshape(2 * nl + 1, h)
         bias = qkv_bias[: nl * shape.qkv].reshape(nl, shape.qkv)
         for li, w in enumerate(layers):
             w.update(input_norm=g[2 * li], post_norm=g[2 * li + 1], qkv_bias=bias[li])
-        dims = (nl, shape.kv_heads, int(cap), shape.head_dim)
-        n = int(np.prod(dims))
-        k32, v32 = (c[:n].astype(np.float32).reshape(dims) for c in (kc, vc))
+        kc, vc = cache_views(shape, kv, int(ts), int(hs), int(cap))
         out = reference_step(
-            shape, layers, g[2 * nl], inv_freq[: shape.head_dim // 2], x_in[:h],
-            int(pos[0]), k32, v32,
-        )  # fmt: skip
-        kc[:n], vc[:n] = k32.reshape(-1), v32.reshape(-1)  # bf16 values: exact both ways
+            shape, layers, g[2 * nl], inv_freq[: shape.head_dim // 2], x, p, kc, vc
+        )
         y[:h] = out
         table = head[: int(vocab) * h].reshape(int(vocab), h).astype(np.float32)
-        logits[: int(vocab)] = table @ out
+        logits[: int(vocab)] = _bf(table @ out)
         epoch[0] = (int(epoch[0]) + 1) % 65535
 
     return run
 
 
-def stack_kernel(shape: StackShape, blocks: int, chunk: int | None = None) -> KernelSource:
+def stack_kernel(shape: StackShape, blocks: int, tuning: StackTuning | None = None) -> KernelSource:
     """The kernel for ``shape`` on a grid of ``blocks`` (the device's SM count); on the CPU
     device its NumPy twin runs (`_twin`)."""
-    chunk = chunk or default_chunk(shape)
-    shape.check(chunk)
-    if (ring := ring_bytes(shape, blocks, chunk)) < 2 * chunk:
+    t = (tuning or StackTuning()).resolved(shape)
+    shape.check(t)
+    largest = t.largest_chunk(shape)
+    if (ring := ring_bytes(shape, blocks, t)) < 2 * largest:
         raise KernelArgumentError(
             f"persistent stack: {shape} leaves {ring} B of shared memory for the weight ring; "
-            f"it needs at least two chunks of {chunk} B"
+            f"it needs at least two chunks of {largest} B"
         )
+    source = _cuda(shape, blocks, t, ring)
     tag = f"h{shape.hidden}_n{shape.heads}_{shape.kv_heads}_i{shape.inter}_l{shape.layers}"
+    digest = hashlib.sha256(source.encode()).hexdigest()[:8]  # eps and scale are in the source
     return KernelSource(
-        name=f"ep_stack_bf16_{tag}_b{blocks}_c{chunk}",
+        name=f"ep_stack_bf16_{tag}_b{blocks}_w{t.warps}_c{t.chunk}_m{t.min_cols}_{digest}",
         entry="ep_stack_bf16",
-        source=_cuda(shape, blocks, chunk, ring_bytes(shape, blocks, chunk)),
+        source=source,
         params=_PARAMS,
         options=CompileOptions(cuda_headers=True),
         cpu=_twin(shape, blocks),
@@ -886,12 +978,13 @@ def _norm(x: np.ndarray, g: np.ndarray, eps: float) -> np.ndarray:
 
 def reference_step(
     shape: StackShape, layers: list[dict[str, np.ndarray]], final_norm: np.ndarray,
-    inv_freq: np.ndarray, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray,
+    inv_freq: np.ndarray, x: np.ndarray, pos: int, kc: Sequence[np.ndarray],
+    vc: Sequence[np.ndarray],
 ) -> np.ndarray:  # fmt: skip
     """One decode step in NumPy (float32 sums, bf16 where the kernel rounds): the final norm's
     output. ``layers[l]`` as `pack_stack` takes them, plus ``input_norm``, ``post_norm`` and
-    ``qkv_bias`` (float32 copies make it faster); ``x`` the token's embedding; ``kc``/``vc``
-    (float32 [layers, kv_heads, capacity, head_dim]) get position ``pos``."""
+    ``qkv_bias`` (float32 copies make it faster); ``x`` the token's embedding; ``kc[l]``/``vc[l]``
+    (layer l's cache, [kv_heads, capacity, head_dim], float32 or bf16) get position ``pos``."""
     hd, nh, nkv, half = shape.head_dim, shape.heads, shape.kv_heads, shape.head_dim // 2
     f32 = lambda a: np.asarray(a, np.float32)  # noqa: E731
     r = _bf(x)
@@ -902,14 +995,14 @@ def reference_step(
         qkv = _bf(_bf(xn @ f32(w["qkv"])) + f32(w["qkv_bias"])).reshape(-1, hd)
         a, c = qkv[: nh + nkv, :half], qkv[: nh + nkv, half:]
         qkv[: nh + nkv] = np.concatenate([_bf(a * cos - c * sin), _bf(c * cos + a * sin)], 1)
-        kc[li, :, pos] = qkv[nh : nh + nkv]
-        vc[li, :, pos] = qkv[nh + nkv :]
+        kc[li][:, pos] = qkv[nh : nh + nkv]
+        vc[li][:, pos] = qkv[nh + nkv :]
         out = np.empty((nh, hd), np.float32)
         for h in range(nh):
             kvh = h // (nh // nkv)
-            s = kc[li, kvh, : pos + 1] @ (qkv[h] * np.float32(1 / np.sqrt(hd)))
+            s = f32(kc[li][kvh, : pos + 1]) @ (qkv[h] * np.float32(shape.attention_scale))
             p = np.exp(s - s.max())
-            out[h] = (p @ vc[li, kvh, : pos + 1]) / p.sum()
+            out[h] = (p @ f32(vc[li][kvh, : pos + 1])) / p.sum()
         r1 = _bf(r + _bf(_bf(out.reshape(-1)) @ f32(w["o"])))
         gu = _bf(_norm(r1, w["post_norm"], shape.eps) @ f32(w["gate_up"]))
         g, u = gu[: shape.inter], gu[shape.inter :]
@@ -917,24 +1010,57 @@ def reference_step(
     return _norm(r, final_norm, shape.eps)
 
 
+@dataclass(frozen=True)
+class StackIO:
+    """What one launch reads and writes besides the weights: device buffers, so a captured
+    launch replays with new values in them. ``ids``/``pos``: int64, the token and its position
+    (element 0); ``logits``: float32 [vocab] (bf16-rounded values, as the graph's Cast of its bf16
+    logits); ``kv``: uint64 [2 * layers], the address of each layer's K cache, then of each
+    layer's V cache, where element (kv head, t, d) is at kv head * ``head_stride`` + t *
+    ``token_stride`` + d, for t < ``capacity``."""
+
+    ids: Buffer
+    pos: Buffer
+    logits: Buffer
+    kv: Buffer
+    token_stride: int
+    head_stride: int
+    capacity: int
+
+
+def kv_addresses(keys: list[Buffer], values: list[Buffer]) -> np.ndarray:
+    """`StackIO.kv`'s contents for per-layer K and V buffers (16-byte aligned, as the kernel's
+    vector loads need)."""
+    addresses = np.asarray([b.ptr for b in (*keys, *values)], np.uint64)
+    if (addresses % 16).any():
+        raise KernelArgumentError("persistent stack: a KV buffer is not 16-byte aligned")
+    return addresses
+
+
 class StackStep:
     """The kernel bound on a device to one model: its layers (as `pack_stack` and
-    `reference_step` take them), final norm, rotary frequencies (float32, head_dim / 2) and
-    head (``head``: [vocab, hidden] bf16 on the device, a tied embedding table or the head's
-    transposed weight), with its own KV cache of ``capacity`` positions.
+    `reference_step` take them), final norm, rotary frequencies (float32, head_dim / 2), head
+    (``head``: [vocab, hidden] bf16 on the device, a tied embedding table or the head's
+    transposed weight) and embedding table (``embed``: [rows, hidden] bf16; default the head).
 
-    A step: the token's embedding in ``x`` and its position in ``pos`` (both device buffers,
-    so a captured launch replays with new values), then `launch`: the logits (bf16) in
-    ``logits``, the final norm's output in ``y``. The values blocks exchange live in tagged
-    buffers zeroed here (no tag a launch waits for); ``epoch`` counts launches.
+    `launch` runs one step on a `StackIO`: the executor's own buffers (`ep.native.fused`), or,
+    by default, this object's ``io``: its own ``ids``, ``pos``, ``logits`` and a KV cache of
+    ``capacity`` positions ([layer][kv head][capacity][head_dim] in ``kc``/``vc``; None: no
+    ``io``, every launch gets one). The final
+    norm's output lands in ``y``. The values blocks exchange live in tagged buffers zeroed here
+    (no tag a launch waits for); ``epoch`` counts launches. A position outside the cache (or
+    above `SCORES`) makes the launch do nothing but set `KernelFault.KV_POSITION` in
+    ``status``; an id outside the embedding, a zero row and `KernelFault.TOKEN_ID`.
     """
 
     def __init__(
         self, dev: Device, shape: StackShape, layers: list[dict[str, np.ndarray]],
-        final_norm: np.ndarray, inv_freq: np.ndarray, head: Buffer, capacity: int, *,
-        stream: Stream, chunk: int | None = None, packed: tuple[Buffer, Buffer] | None = None,
+        final_norm: np.ndarray, inv_freq: np.ndarray, head: Buffer, capacity: int | None, *,
+        stream: Stream, tuning: StackTuning | None = None,
+        packed: tuple[Buffer, Buffer] | None = None, embed: Buffer | None = None,
+        status: Buffer | None = None,
     ) -> None:  # fmt: skip
-        if not 1 <= capacity <= SCORES:
+        if capacity is not None and not 1 <= capacity <= SCORES:
             raise KernelArgumentError(
                 f"persistent stack: capacity {capacity}; expected 1 to {SCORES} positions (one "
                 "attention pass in shared memory)"
@@ -944,25 +1070,30 @@ class StackStep:
                 f"persistent stack: {len(layers)} layers of weights for a {shape.layers}-layer "
                 "shape"
             )
-        if head.dtype != BF16 or head.size % shape.hidden:
-            raise KernelArgumentError(
-                f"persistent stack: head of {head.size} {head.dtype} values; expected bf16 "
-                f"[vocab, {shape.hidden}]"
-            )
+        embed = head if embed is None else embed
+        for what, table in (("head", head), ("embedding", embed)):
+            if table.dtype != BF16 or table.size % shape.hidden:
+                raise KernelArgumentError(
+                    f"persistent stack: {what} of {table.size} {table.dtype} values; expected "
+                    f"bf16 [rows, {shape.hidden}]"
+                )
+        from ep.kernels._common import new_status
         from ep.kernels.matmul import sm_count
 
         blocks = sm_count(dev)
-        self.dev, self.shape, self.capacity, self.blocks = dev, shape, capacity, blocks
-        chunk = chunk or default_chunk(shape)
-        self.kernel = dev.kernel(stack_kernel(shape, blocks, chunk))
-        self.shared = shared_bytes(shape, blocks, chunk)
-        resident = self.kernel.resident_blocks(32 * CW + 32, self.shared)
+        self.dev, self.shape, self.blocks = dev, shape, blocks
+        self.tuning = (tuning or StackTuning()).resolved(shape)
+        self.kernel = dev.kernel(stack_kernel(shape, blocks, self.tuning))
+        self.shared = shared_bytes(shape, blocks, self.tuning)
+        self.threads = 32 * self.tuning.warps + 32
+        resident = self.kernel.resident_blocks(self.threads, self.shared)
         if resident < blocks:
             raise KernelArgumentError(
                 f"persistent stack: {resident} blocks of {self.shared} B fit on the device at "
                 f"once; the kernel needs one on each of its {blocks} SMs"
             )
         self.head, self.vocab = head, head.size // shape.hidden
+        self.embed, self.embed_rows = embed, embed.size // shape.hidden
         up = lambda a: dev.to_device(np.ascontiguousarray(a), stream=stream)  # noqa: E731
         if packed is None:
             bits, starts = pack_stack(shape, layers, blocks)
@@ -972,27 +1103,70 @@ class StackStep:
         self.norms = up(np.concatenate(norms).astype(BF16))
         self.bias = up(np.concatenate([w["qkv_bias"] for w in layers]).astype(BF16))
         self.inv_freq = up(np.asarray(inv_freq, np.float32))
+        self.status = status if status is not None else new_status(dev, stream=stream)
         h, nh, hd = shape.hidden, shape.heads, shape.head_dim
         alloc = lambda n, dt: dev.alloc(n, dt, stream=stream)  # noqa: E731
-        self.logits, self.x, self.y = alloc(self.vocab, BF16), alloc(h, BF16), alloc(h, BF16)
+        self.y = alloc(h, BF16)
         self.R, self.R1, self.att = (
             alloc(h, np.uint32),
             alloc(h, np.uint32),
             alloc(nh * hd, np.uint32),
         )
         self.qkv, self.act = alloc(shape.qkv, np.uint32), alloc(shape.inter, np.uint32)
-        kv = shape.layers * shape.kv_heads * capacity * hd
-        self.kc, self.vc = alloc(kv, BF16), alloc(kv, BF16)
-        self.pos, self.epoch = alloc(1, np.int32), alloc(1, np.uint32)
-        for buffer in (self.R, self.R1, self.att, self.qkv, self.act, self.epoch, self.kc, self.vc):
+        self.epoch = alloc(1, np.uint32)
+        for buffer in (self.R, self.R1, self.att, self.qkv, self.act, self.epoch):
             dev.fill(buffer, 0, stream=stream)
+        self.io: StackIO | None = None
+        if capacity is None:
+            return
+        # the default StackIO: its own token, position, logits and cache
+        per_layer = shape.kv_heads * capacity * hd
+        self.kc = alloc(shape.layers * per_layer, BF16)
+        self.vc = alloc(shape.layers * per_layer, BF16)
+        for buffer in (self.kc, self.vc):
+            dev.fill(buffer, 0, stream=stream)
+        item = BF16.itemsize
+        addresses = [c.ptr + li * per_layer * item for c in (self.kc, self.vc)
+                     for li in range(shape.layers)]  # fmt: skip
+        self.io = StackIO(
+            ids=alloc(1, np.int64), pos=alloc(1, np.int64), logits=alloc(self.vocab, np.float32),
+            kv=up(np.asarray(addresses, np.uint64)), token_stride=hd,
+            head_stride=capacity * hd, capacity=capacity,
+        )  # fmt: skip
 
-    def launch(self, *, stream: Stream, trace: Buffer | None = None) -> None:
-        """One step (class docstring). ``trace``: uint64 [blocks, layers, TRACE_STAMPS]
-        global-timer stamps of each block's stages (`tools/bench_stack.py --trace`)."""
+    def check_io(self, io: StackIO) -> None:
+        """Refuse buffers the kernel would misread, saying which and why."""
+        problems = []
+        if io.ids.dtype != np.int64 or io.pos.dtype != np.int64:
+            problems.append(f"ids {io.ids.dtype} and pos {io.pos.dtype} must be int64")
+        if io.logits.dtype != np.float32 or io.logits.size < self.vocab:
+            problems.append(f"logits of {io.logits.size} {io.logits.dtype} values; expected "
+                            f"float32 [{self.vocab}]")  # fmt: skip
+        if io.kv.dtype != np.uint64 or io.kv.size != 2 * self.shape.layers:
+            problems.append(f"kv of {io.kv.size} {io.kv.dtype} values; expected uint64 "
+                            f"[{2 * self.shape.layers}] addresses")  # fmt: skip
+        if io.token_stride % 8 or io.head_stride % 8 or min(io.token_stride, io.head_stride) < 1:
+            problems.append(f"KV strides token {io.token_stride}, head {io.head_stride}: "
+                            "positive multiples of 8 elements (16-byte rows) needed")  # fmt: skip
+        if io.capacity < 1:
+            problems.append(f"capacity {io.capacity}")
+        if problems:
+            raise KernelArgumentError("persistent stack: " + "; ".join(problems))
+
+    def launch(
+        self, *, stream: Stream, io: StackIO | None = None, trace: Buffer | None = None
+    ) -> None:
+        """One step on ``io`` (default: ``self.io``; class docstring). ``trace``: uint64
+        [blocks, layers, TRACE_STAMPS] global-timer stamps of each block's stages
+        (`tools/bench_stack.py --trace`)."""
+        io = io or self.io
+        if io is None:
+            raise KernelArgumentError("persistent stack: launch() without io= on a step made "
+                                      "without a cache of its own (capacity None)")  # fmt: skip
         self.kernel.launch(
-            self.blocks, 32 * CW + 32, self.ws, self.starts, self.norms, self.bias,
-            self.inv_freq, self.head, self.logits, self.vocab, self.x, self.R, self.R1, self.qkv,
-            self.att, self.act, self.y, self.kc, self.vc, self.pos, self.epoch, self.capacity,
+            self.blocks, self.threads, self.ws, self.starts, self.norms, self.bias,
+            self.inv_freq, self.head, io.logits, self.vocab, self.embed, self.embed_rows, io.ids,
+            self.R, self.R1, self.qkv, self.att, self.act, self.y, io.kv, io.token_stride,
+            io.head_stride, io.pos, self.epoch, io.capacity, self.status,
             0 if trace is None else trace.ptr, stream=stream, shared_mem=self.shared,
         )  # fmt: skip

@@ -22,6 +22,15 @@ Padding (``buckets``): a capture policy with ``pad_to(batch)`` makes prefill and
 run at that size, the real rows first and padding rows (pad id, position -1: nothing written or
 attended, length 0) after; only the real rows' logits and tokens are returned.
 
+Fused decode (``fused=``, ``decode.fused``; default ``off``): with ``on`` (or ``auto``, CUDA only)
+a batch-1 decode step of a model `ep.native.fused.match_stack` reads as a Llama/Qwen2-style bf16
+decoder is one persistent kernel (`ep.kernels.stack`) on the plan's own buffers and the KV cache
+(any contiguous layout, through its strides), captured and replayed like the plan's calls but
+never under the plan's signature. Other steps (another batch, a paged layout, a position past
+the kernel's attention) run the plan, and ``fused_metrics`` says why. The kernel rounds where the
+graph rounds but sums in its own order: its logits are not the plan's bits, so batch rows and
+solo runs agree bitwise only with it off (DESIGN.md §6), which is why it is opt-in.
+
 Weights: by default every initializer is resident (`ResidentWeights`). With ``offload=`` (an
 offload policy), ``budget=`` and ``piece=`` (``offload.piece``: weights larger than this are held
 in pieces, one kernel call each), the weights go into an `ep.offload.WeightStore` on this
@@ -49,6 +58,14 @@ from ep.errors import ConfigError, ContractError, GenerationError, OffloadError
 from ep.model import DecoderModel, default_cache_dir, load_model
 from ep.native import _kernels as nk
 from ep.native.capture import CaptureManager, CaptureMetrics
+from ep.native.fused import (
+    FUSED_MODES,
+    FusedDecode,
+    StackMatch,
+    fused_kernel_refusal,
+    fused_refusal,
+    match_stack,
+)
 from ep.native.kv import DeviceKVCache
 from ep.native.plan import KVBinding, StepPlan, replay_enabled, split_specs, weight_reads
 from ep.native.program import Program, load_program
@@ -107,7 +124,13 @@ class NativeBackend:
         cache_dir: str | Path | None = None,
         sync_every: int = 1,
         device_picks: bool = True,
+        fused: str = "off",
     ) -> None:
+        if fused not in FUSED_MODES:
+            raise ConfigError(
+                f"fused={fused!r}; expected one of {', '.join(FUSED_MODES)} (decode.fused: the "
+                "batch-1 decode step as one persistent kernel where the model allows it)"
+            )
         if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
             raise ConfigError(
                 f"sync_every={sync_every!r}; expected an integer >= 1 (decode steps between host "
@@ -166,7 +189,7 @@ class NativeBackend:
         )
         self.sources = dict(sources or {})
         self._plans: dict[tuple[int, int], StepPlan] = {}
-        self._bound: dict[tuple[int, int], _Bound] = {}
+        self._bound: dict[tuple[int, int, bool], _Bound] = {}
         self._table: Any = None
         self.lens = np.zeros(0, np.int64)  # per row the step runs at (padding rows: 0)
         self._real = 0  # the caller's rows: the first ones
@@ -181,6 +204,71 @@ class NativeBackend:
         self.device_picks = device_picks
         self.replay = replay_enabled()  # eager calls issue the launches their first run recorded
         self._decoding = False
+        self.fused_mode = fused
+        self.fused_steps = 0  # decode steps the fused kernel ran
+        self.fused_reason = ""  # why the last step that could not be fused was not
+        self._fused: FusedDecode | None = None
+        self._fused_match = self._fused_model()
+
+    # --- the fused decode step (ep.native.fused) ---------------------------------------------
+
+    def _fused_model(self) -> StackMatch | None:
+        """The model as the fused kernel's decoder, or None with ``fused_reason`` saying why not
+        (``fused="on"``: a `ConfigError` instead)."""
+        if self.fused_mode == "off":
+            self.fused_reason = "decode.fused = off"
+            return None
+        why, match = "", None
+        if self.fused_mode == "auto" and self.device.kind == "cpu":
+            why = ("the CPU device runs the op-per-launch plan (decode.fused = on runs the fused "
+                   "kernel's NumPy twin)")  # fmt: skip
+        elif self.offloaded is not None and any(
+            p != "resident" for p in self.offloaded.store.layout.placements.values()
+        ):
+            why = (f"the offload plan ({self.offloaded.reason}) streams weights, and the fused "
+                   "kernel keeps every layer's weights on the device")  # fmt: skip
+        else:
+            try:
+                match = match_stack(self.program)
+                why = fused_kernel_refusal(self.device, match.shape)
+            except ValueError as exc:
+                why = f"the model is not the fused kernel's decoder: {exc}"
+        if why:
+            if self.fused_mode == "on":
+                raise ConfigError(f"decode.fused = on, but {why}; set decode.fused = auto or off")
+            self.fused_reason = why
+            return None
+        return match
+
+    def _fused_for(self, batch: int, position: int) -> FusedDecode | None:
+        """The fused kernel for a decode step at ``batch`` writing ``position``, or None (the
+        plan runs it) with ``fused_reason`` saying why."""
+        if self._fused_match is None:
+            return None
+        from ep.kernels.stack import SCORES
+
+        why = fused_refusal(batch, self._kv_binding(batch) if batch == 1 else None)
+        if not why and position >= SCORES:
+            why = (f"position {position}: the fused kernel's attention holds {SCORES} positions; "
+                   "the plan runs later steps")  # fmt: skip
+        if why:
+            self.fused_reason = why
+            return None
+        if self._fused is None:
+            self._fused = FusedDecode(self.device, self.program, self._fused_match, self.weights,
+                                      stream=self.stream, status=self.status)  # fmt: skip
+        return self._fused
+
+    @property
+    def fused_metrics(self) -> dict[str, Any]:
+        """``metrics.fused`` of ``genai-ep run --json``: the mode, whether the model is the fused
+        kernel's, the decode steps it ran, and why the last other one was not fused."""
+        return {
+            "mode": self.fused_mode,
+            "matched": self._fused_match is not None,
+            "steps": self.fused_steps,
+            "reason": self.fused_reason,
+        }
 
     # --- Backend --------------------------------------------------------------------------------
 
@@ -271,22 +359,28 @@ class NativeBackend:
         found = self._bind(plan)
         return found.calls, found.signature
 
-    def _bind(self, plan: StepPlan) -> _Bound:
+    def _bind(self, plan: StepPlan, fused: FusedDecode | None = None) -> _Bound:
         """The plan's calls bound to the cache (bound again only when a buffer or the geometry
-        they bind changed: a new prompt in the same buffers keeps them, and their graphs)."""
-        key = (plan.batch, plan.seq)
+        they bind changed: a new prompt in the same buffers keeps them, and their graphs); with
+        ``fused``, the fused kernel's one call on the plan's buffers instead."""
+        key = (plan.batch, plan.seq, fused is not None)
         found = self._bound.get(key)
         if found is not None and found.epoch == self._kv.epoch:
             return found
         binding = self._kv_binding(plan.batch)
         sig = _binding_signature(plan, binding)
+        if fused is not None:  # its graphs are never the plan's
+            sig = BindingSignature((*sig.bindings, fused.signature()))
         if found is not None and found.signature == sig:
             found.epoch = self._kv.epoch
             return found
-        calls = plan.bind(binding)
+        calls: list[Any] = (
+            plan.bind(binding) if fused is None else [fused.call(fused.io(plan, binding))]
+        )
         fixed = None
         if self.offloaded is not None:  # fetched weights move between calls: never replayed
-            fixed = self.offloaded.fixed_reads(plan.bound_weights)
+            if fused is None:  # (the fused kernel's weights are its own, all resident)
+                fixed = self.offloaded.fixed_reads(plan.bound_weights)
             # first and last work of the step, so a capture holds the store's copies too
             start = functools.partial(self.offloaded.start, stream=self.stream)
             finish = functools.partial(self.offloaded.finish, stream=self.stream)
@@ -413,7 +507,9 @@ class NativeBackend:
             stops = lens + 1
             stops[self._real :] = 0
             kv.prepare(lens, stops)
-        bound = self._bind(plan)
+        fused = self._fused_for(rows, int(lens.max()))
+        bound = self._bind(plan, fused)
+        self.fused_steps += fused is not None
         if kv.epoch != epoch:
             self.capture.revalidate(bound.signature, kv.growths, rows)
         self._upload_table()

@@ -18,8 +18,10 @@ from ep.errors import KernelArgumentError
 from ep.kernels.stack import (
     CW,
     SCORES,
+    StackIO,
     StackShape,
     StackStep,
+    StackTuning,
     block_columns,
     default_chunk,
     pack_stack,
@@ -93,10 +95,14 @@ def test_a_block_stream_is_its_columns_in_use_order(rng: np.random.Generator) ->
             assert np.array_equal(again[name].view(np.uint16), layer[name].view(np.uint16))
 
 
-@pytest.mark.parametrize("shape", [QWEN, SMALL], ids=["qwen0.5b", "small"])
-def test_the_kernel_compiles_for_sm_90a(shape: StackShape) -> None:
+@pytest.mark.parametrize(
+    ("shape", "tuning"),
+    [(QWEN, StackTuning()), (SMALL, StackTuning()), (QWEN, StackTuning(warps=11, min_cols=1))],
+    ids=["qwen0.5b", "small", "qwen0.5b-w11-m1"],
+)
+def test_the_kernel_compiles_for_sm_90a(shape: StackShape, tuning: StackTuning) -> None:
     # NVRTC needs no GPU, so CI compiles the kernel the H200 runs
-    compiled = compile_kernel(stack_kernel(shape, 132), "sm_90", use_cache=False)
+    compiled = compile_kernel(stack_kernel(shape, 132, tuning), "sm_90", use_cache=False)
     assert compiled.cubin
 
 
@@ -105,9 +111,14 @@ def test_unsupported_shapes_and_sizes_are_refused_with_the_reason() -> None:
         stack_kernel(StackShape(896, 7, 1, 128, 4864, 2), 132)
     with pytest.raises(KernelArgumentError, match="14 heads over 3 KV heads"):
         stack_kernel(StackShape(896, 14, 3, 64, 4864, 2), 132)
-    with pytest.raises(KernelArgumentError, match="chunk 4096 B must hold"):
-        stack_kernel(QWEN, 132, chunk=4096)
+    with pytest.raises(KernelArgumentError, match="chunk 2048 B must hold a column pair"):
+        stack_kernel(QWEN, 132, StackTuning(chunk=2048, min_cols=1))
+    with pytest.raises(KernelArgumentError, match="16 consumer warps"):
+        stack_kernel(QWEN, 132, StackTuning(warps=16))
+    with pytest.raises(KernelArgumentError, match="at least two chunks of 116736 B"):
+        stack_kernel(QWEN, 132, StackTuning(min_cols=12))  # 12 columns of K = 4864
     assert default_chunk(QWEN) == CW * 2 * 896
+    assert StackTuning(min_cols=4).resolved(QWEN).chunk_bytes(4864) == 4 * 2 * 4864
     head = get_device("cpu").alloc(1, BF16, stream=get_device("cpu").default_stream)
     with pytest.raises(KernelArgumentError, match=f"capacity {SCORES + 1}; expected 1 to"):
         StackStep(get_device("cpu"), SMALL, [], np.ones(128), np.ones(32), head, SCORES + 1,
@@ -131,8 +142,8 @@ def test_the_reference_step_is_the_native_executors_decoder(
     build_model(spec, random_weights(spec, 3), flavour="ep", out_dir=tmp_path)
     layers, final, embed = load_tool("bench_stack").model_weights(tmp_path, spec.num_layers)
     prompt = rng.integers(3, 512, 9)
-    kc = np.zeros((2, 1, 16, 64), np.float32)
-    vc = np.zeros_like(kc)
+    kc = list(np.zeros((2, 1, 16, 64), np.float32))
+    vc = list(np.zeros((2, 1, 16, 64), np.float32))
     for t, tok in enumerate(prompt):
         y = reference_step(SMALL, layers, final, _inv_freq(THETA, 64), embed[tok], t, kc, vc)
     ref = y @ embed.astype(np.float32).T
@@ -157,6 +168,27 @@ def stack_device(kind: str) -> Device:
     return dev
 
 
+def seq_major_io(dev: Device, step: StackStep, capacity: int) -> StackIO:
+    """A `StackIO` over per-layer K and V buffers in the seq_major layout ([capacity][kv
+    head][head_dim], as the native executor's cache at batch 1), zeroed."""
+    from ep.kernels.stack import kv_addresses
+
+    s, shape = dev.default_stream, step.shape
+    n = capacity * shape.kv_heads * shape.head_dim
+    keys = [dev.alloc(n, BF16, stream=s) for _ in range(shape.layers)]
+    values = [dev.alloc(n, BF16, stream=s) for _ in range(shape.layers)]
+    for b in (*keys, *values):
+        dev.fill(b, 0, stream=s)
+    step.seq_major_buffers = (keys, values)  # kept alive with the step
+    return StackIO(
+        ids=dev.alloc(1, np.int64, stream=s), pos=dev.alloc(1, np.int64, stream=s),
+        logits=dev.alloc(step.vocab, np.float32, stream=s),
+        kv=dev.to_device(kv_addresses(keys, values), stream=s),
+        token_stride=shape.kv_heads * shape.head_dim, head_stride=shape.head_dim,
+        capacity=capacity,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kind", "shape"),
     [
@@ -177,37 +209,60 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
     head = dev.to_device(table, stream=s)
     inv_freq = _inv_freq(THETA, 64)
     cap = 40
+    # chunk sizes change no bit; another warp count splits long columns' sums otherwise
+    tunings = (StackTuning(), StackTuning(chunk=2 * default_chunk(shape)),
+               StackTuning(min_cols=1), StackTuning(warps=11))  # fmt: skip
     steps = [
-        StackStep(dev, shape, layers, final, inv_freq, head, cap, stream=s, chunk=chunk)
-        for chunk in (None, 2 * default_chunk(shape))
+        StackStep(dev, shape, layers, final, inv_freq, head, cap, stream=s, tuning=tuning)
+        for tuning in tunings
     ]
-    kc = np.zeros((shape.layers, shape.kv_heads, cap, 64), np.float32)
-    vc = np.zeros_like(kc)
+    # the same step on the seq_major cache of the executor (other strides, per-layer buffers)
+    runs = [(st, st.io) for st in steps] + [(steps[0], seq_major_io(dev, steps[0], cap))]
+    kc = list(np.zeros((shape.layers, shape.kv_heads, cap, 64), np.float32))
+    vc = list(np.zeros((shape.layers, shape.kv_heads, cap, 64), np.float32))
     ref_layers = [{k: np.asarray(v, np.float32) for k, v in w.items()} for w in layers]
     for t in range(cap):  # every position of the cache: attention over 1 .. 40 tokens
-        x = rng.standard_normal(shape.hidden, np.float32).astype(BF16)
+        token = int(rng.integers(0, len(table)))
         logits = []
-        for st in steps:
-            dev.upload(st.x, x, stream=s)
-            st.pos.copy_from_host(np.array([t], np.int32), stream=s)
-            dev.fill(st.logits, float("nan"), stream=s)
-            st.launch(stream=s)
-            logits.append(st.logits.to_host(stream=s).view(np.uint16))
-        assert np.array_equal(logits[0], logits[1]), f"chunk sizes disagree at position {t}"
-        want = reference_step(shape, ref_layers, final, inv_freq, x.astype(np.float32), t, kc, vc)
-        got = steps[0].y.to_host(stream=s).astype(np.float32)
-        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), t
+        for st, io in runs:
+            io.ids.copy_from_host(np.array([token]), stream=s)
+            io.pos.copy_from_host(np.array([t]), stream=s)
+            dev.fill(io.logits, float("nan"), stream=s)
+            st.launch(stream=s, io=io)
+            logits.append(io.logits.to_host(stream=s).copy())
+        for i in (1, 2):
+            assert np.array_equal(logits[0], logits[i]), f"tuning {i} disagrees at position {t}"
+        assert np.array_equal(logits[0], logits[4]), f"the two KV layouts disagree at {t}"
+        x = table[token].astype(np.float32)
+        want = reference_step(shape, ref_layers, final, inv_freq, x, t, kc, vc)
+        for st in (steps[3], steps[0]):  # 11 warps, then the default
+            got = st.y.to_host(stream=s).astype(np.float32)
+            assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), t
         head_ref = got @ table.astype(np.float32).T
-        got_logits = logits[0].view(BF16).astype(np.float32)
-        assert np.abs(got_logits - head_ref).max() <= 1e-2 * np.abs(head_ref).max(), t
+        assert np.array_equal(logits[0], logits[0].astype(BF16).astype(np.float32))  # bf16 values
+        assert np.abs(logits[0] - head_ref).max() <= 1e-2 * np.abs(head_ref).max(), t
+    assert int(steps[0].status.to_host(stream=s)[0]) == 0
 
     # a captured launch replays to the eager launch's bits (epochs differ, the step does not)
     st = steps[0]
     with dev.capture(stream=s) as cap_:
         st.launch(stream=s)
-    eager = st.logits.to_host(stream=s).view(np.uint16).copy()
+    eager = st.io.logits.to_host(stream=s).copy()
     for _ in range(3):
-        dev.fill(st.logits, float("nan"), stream=s)
+        dev.fill(st.io.logits, float("nan"), stream=s)
         cap_.graph.launch(stream=s)
-        assert np.array_equal(st.logits.to_host(stream=s).view(np.uint16), eager)
+        assert np.array_equal(st.io.logits.to_host(stream=s), eager)
     cap_.graph.close()
+
+    # a position outside the cache: nothing runs, the fault bit says why; a bad id: zeros
+    st.io.pos.copy_from_host(np.array([cap]), stream=s)
+    dev.fill(st.io.logits, 7.0, stream=s)
+    st.launch(stream=s)
+    assert np.all(st.io.logits.to_host(stream=s) == 7.0)
+    assert int(st.status.to_host(stream=s)[0]) == 4  # KernelFault.KV_POSITION
+    dev.fill(st.status, 0, stream=s)
+    st.io.pos.copy_from_host(np.array([0]), stream=s)
+    st.io.ids.copy_from_host(np.array([len(table)]), stream=s)
+    st.launch(stream=s)
+    assert int(st.status.to_host(stream=s)[0]) == 1  # KernelFault.TOKEN_ID
+    assert np.isfinite(st.io.logits.to_host(stream=s)).all()

@@ -9,7 +9,10 @@ from types import ModuleType
 
 import pytest
 
-SMALL_QWEN = "hidden=64,layers=2,heads=4,kv_heads=2,vocab=512,dtype=bf16,type=qwen2,bias=1,tie=1"
+SMALL_QWEN = (  # head_dim 64: the fused modes' kernel (its NumPy twin here) takes it
+    "hidden=128,layers=2,heads=2,kv_heads=1,head_dim=64,intermediate=256,vocab=512,dtype=bf16,"
+    "type=qwen2,bias=1,tie=1"
+)
 
 
 @pytest.fixture
@@ -51,15 +54,19 @@ def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: 
         p.stat().st_size for p in (tmp_path / "work").glob("*/model.onnx.data")
     )
     assert "skipped" in data["hf"]  # the transformers reference needs CUDA
-    modes = ("native-capture", "native-loop", "native-eager")
+    modes = ("native-capture", "native-loop", "native-fused", "native-fused-loop", "native-eager")
     assert [(r["mode"], r["batch"]) for r in data["rows"]] == [
-        (m, b) for b in (1, 16) for m in modes
+        (m, b) for b in (1, 16) for m in modes if b == 1 or "fused" not in m
     ]
+    for row in (r for r in data["rows"] if "fused" in r["mode"]):  # the kernel took every step
+        assert row["fused"]["steps"] == 3 + 5 and row["fused"]["reason"] == ""
+    assert set(data["fused_token_agreement"]) == {"native-fused", "native-fused-loop"}
     # the device token loop (steps of 2, 2 and 1) gives the same tokens as step() (tokens_match)
     loop = next(r for r in data["rows"] if r["mode"] == "native-loop")
     assert loop["samples"] == 5 and loop["capture"]["captures"] > 0
     assert set(data["targets"]) >= {
         "batch1_ms", "tokens_per_s_16_over_1", "batch1_ms_loop", "tokens_per_s_16_over_1_loop",
+        "batch1_ms_fused", "batch1_ms_fused_loop",
     }  # fmt: skip
 
 
