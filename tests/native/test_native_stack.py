@@ -14,8 +14,10 @@ something else, naming the node; a mode, device or offload plan it cannot serve 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -281,3 +283,40 @@ def test_cuda_fused_steps_give_the_plans_tokens_and_replay_bitwise(
             assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
     for got, want in zip(runs[0][1], runs[1][1], strict=True):  # eager and captured: same bits
         assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# --- genai-ep run ---------------------------------------------------------------------------
+
+
+def test_the_cli_runs_it_on_request_and_reports_it(
+    models: Callable[..., DecoderModel],
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ep.cli import main
+
+    monkeypatch.setenv("GENAI_EP_CACHE", str(tmp_path / "cache"))
+    folder = str(Path(models().onnx_path).parent)
+    ids = ",".join(map(str, PROMPT))
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["run", "--json", "--model", folder, "--backend", "native", "--capture",
+                     "warmup", "--kv-layout", "seq_major", "--prompt-ids", ids,
+                     "--max-new-tokens", "12", "--min-new-tokens", "12", *argv])  # fmt: skip
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, out, err = run()
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["metrics"]["fused"] == {"mode": "off", "matched": False, "steps": 0,
+                                        "reason": "decode.fused = off"}  # fmt: skip
+    code, out, err = run("--set", "decode.fused=on")
+    assert code == 0, err
+    fused = json.loads(out)
+    assert fused["tokens"] == plan["tokens"]
+    assert fused["metrics"]["fused"]["steps"] == 11  # every decode step (the first: prefill)
+    assert fused["metrics"]["capture"]["captures"] == 1
+    code, _, err = run("--set", "decode.fused=always")
+    assert code != 0 and "decode.fused" in err and "auto" in err
