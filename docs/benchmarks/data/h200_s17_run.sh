@@ -13,6 +13,8 @@ stages=${*:-tests stack native}
 mkdir -p "$out"
 export PYTHONPATH=/tmp/genai-ep-site:$PWD:$PWD/plugins:$PWD/graphs GENAI_EP_KERNEL_CACHE=/tmp/genai-ep-kernels PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/genai-ep-site .whl/*.whl >/dev/null 2>&1
+# the plugins' entry points (the CLI tests load them as a user's install does)
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 for stage in $stages; do
   case $stage in
