@@ -247,7 +247,8 @@ class NativeBackend:
             return None
         from ep.kernels.stack import SCORES
 
-        why = fused_refusal(batch, self._kv_binding(batch) if batch == 1 else None)
+        geometry = self._kv.geometry
+        why = fused_refusal(batch, geometry.strides if geometry is not None else None)
         if not why and position >= SCORES:
             why = (f"position {position}: the fused kernel's attention holds {SCORES} positions; "
                    "the plan runs later steps")  # fmt: skip

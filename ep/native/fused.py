@@ -20,8 +20,9 @@ with the plan.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ml_dtypes
 import numpy as np
@@ -30,6 +31,10 @@ from ep.device import Buffer, Device, Stream
 from ep.errors import OffloadError
 from ep.native.plan import KVBinding
 from ep.native.program import Node, Program
+from ep.seams import KVStrides
+
+if TYPE_CHECKING:
+    from ep.kernels.stack import StackIO, StackShape
 
 __all__ = [
     "FUSED_MODES",
@@ -50,13 +55,13 @@ _LAYER_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", 
 class StackMatch:
     """What `match_stack` found: the shape, the rotary theta, and initializer names."""
 
-    shape: Any  # ep.kernels.stack.StackShape
+    shape: StackShape
     theta: float
     embed: str  # [vocab, hidden]
     head: str
-    head_rows: bool  # the head's array is [vocab, hidden] (transpose_b = 1), else [hidden, vocab]
     final_norm: str
     layers: tuple[dict[str, str], ...]  # per layer: _LAYER_WEIGHTS -> name ("" : no QKV bias)
+    rows: frozenset[str]  # MatMul weights stored [N, K] (transpose_b = 1), not [K, N]
 
 
 class _Mismatch(Exception):
@@ -77,6 +82,7 @@ class _Walk:
             else:
                 self.nodes.append(node)
         self.at = 0
+        self.rows: set[str] = set()
 
     def source(self, name: str) -> str:
         return self.alias.get(name, name)
@@ -111,13 +117,16 @@ class _Walk:
         return name
 
     def matmul(self, node: Node, x: str, what: str, k: int, n: int | None) -> tuple[str, int]:
-        """The MatMul's weight name and N, after checking it reads ``x`` and is [K, N]."""
+        """The MatMul's weight name and N, after checking it reads ``x`` and is [K, N] (or [N,
+        K] with ``transpose_b = 1``: then its name joins ``rows``)."""
         self.reads(node, 0, x, f"{what}'s input")
         name = str(node.attrs.get("weight", ""))
         array = self.program.arrays.get(name)
         if array is None or array.dtype != BF16 or array.ndim != 2:
             raise _Mismatch(f"{what} {node.name!r} does not read a bf16 matrix initializer")
         rows = int(node.attrs.get("transpose_b", 0)) == 1
+        if rows:
+            self.rows.add(name)
         kk, nn = (array.shape[1], array.shape[0]) if rows else array.shape
         if kk != k or (n is not None and nn != n) or len(node.inputs) > 1:
             raise _Mismatch(
@@ -265,9 +274,9 @@ def _match(w: _Walk) -> StackMatch:
         theta=found["theta"],
         embed=embed,
         head=head_name,
-        head_rows=int(head.attrs.get("transpose_b", 0)) == 1,
         final_norm=final_norm,
         layers=tuple(layers),
+        rows=frozenset(w.rows),
     )
 
 
@@ -278,7 +287,7 @@ def _is_layer(w: _Walk) -> bool:
     return len(rest) == 2 and rest[0].op == "MatMul" and rest[1].op != "Cast"
 
 
-def fused_kernel_refusal(device: Device, shape: Any) -> str:
+def fused_kernel_refusal(device: Device, shape: StackShape) -> str:
     """Why the fused kernel cannot run ``shape`` on ``device`` ("" when it can)."""
     from ep.device import kernel_target
     from ep.errors import KernelArgumentError
@@ -295,12 +304,13 @@ def fused_kernel_refusal(device: Device, shape: Any) -> str:
     return ""
 
 
-def fused_refusal(batch: int, binding: KVBinding | None) -> str:
-    """Why a step at ``batch`` on ``binding`` cannot be the fused kernel's ("" when it can)."""
+def fused_refusal(batch: int, strides: KVStrides | None) -> str:
+    """Why a step at ``batch`` on a cache of ``strides`` cannot be the fused kernel's ("" when
+    it can)."""
     if batch != 1:
         return f"batch {batch}: the fused step decodes one sequence"
-    if binding is not None:
-        s = binding.strides
+    if strides is not None:
+        s = strides
         if s.page_size:
             return "a paged KV layout: the fused step reads contiguous per-layer caches"
         if s.dim != 1 or s.token % 8 or s.head % 8:
@@ -328,10 +338,8 @@ class FusedDecode:
                 if key == "qkv_bias" and not name:
                     layer[key] = np.zeros(match.shape.qkv, BF16)
                     continue
-                array = arrays[name]
                 # pack_stack takes [K, N]; a prepacked MatMul weight is [N, K]
-                layer[key] = array.T if key in ("qkv", "o", "gate_up", "down") and _rows(
-                    program, name) else array  # fmt: skip
+                layer[key] = arrays[name].T if name in match.rows else arrays[name]
             layers.append(layer)
 
         def table(name: str, rows: bool) -> Buffer:
@@ -348,8 +356,9 @@ class FusedDecode:
             return device.to_device(np.ascontiguousarray(array), stream=stream,
                                     name=f"fused:{name}")  # fmt: skip
 
-        head = table(match.head, match.head_rows)
-        embed = head if match.embed == match.head and match.head_rows else table(match.embed, True)
+        head_rows = match.head in match.rows
+        head = table(match.head, head_rows)
+        embed = head if match.embed == match.head and head_rows else table(match.embed, True)
         self.match = match
         self.stream = stream
         self.step = StackStep(
@@ -360,7 +369,7 @@ class FusedDecode:
         self._kv = device.alloc(2 * match.shape.layers, np.uint64, stream=stream, name="fused.kv")
         self._kv_for: tuple[int, ...] = ()
 
-    def io(self, plan: Any, binding: KVBinding) -> Any:
+    def io(self, plan: Any, binding: KVBinding) -> StackIO:
         """The `StackIO` of ``plan``'s buffers and ``binding``'s cache (its addresses written to
         the kernel's table when they changed; a captured launch reads them from there)."""
         from ep.kernels.stack import StackIO, kv_addresses
@@ -377,7 +386,7 @@ class FusedDecode:
         self.step.check_io(io)
         return io
 
-    def call(self, io: Any) -> Any:
+    def call(self, io: StackIO) -> Callable[[], None]:
         """The step's one call (what the capture manager runs, captures and replays)."""
         step, stream = self.step, self.stream
 
@@ -390,11 +399,3 @@ class FusedDecode:
         """A binding-signature entry telling the fused step's graphs from the plan's."""
         s = self.match.shape
         return ("fused.stack", self.step.ws.ptr, (s.hidden, s.layers, s.inter), "stack")
-
-
-def _rows(program: Program, name: str) -> bool:
-    """Whether MatMul weight ``name`` is read as [N, K] (``transpose_b=1``)."""
-    for node in program.nodes:
-        if node.op == "MatMul" and str(node.attrs.get("weight")) == name:
-            return int(node.attrs.get("transpose_b", 0)) == 1
-    return False

@@ -102,6 +102,20 @@ def test_fused_steps_give_the_plans_tokens_in_every_layout(
         assert m.invalidations == 0 and m.growth_keeps > 0
 
 
+def test_an_untied_head_and_no_qkv_bias(models: Callable[..., DecoderModel]) -> None:
+    """The head's own [hidden, vocab] weight (copied [vocab, hidden] for the kernel) and zero
+    biases where the graph has no Add."""
+    model = models(tie_embeddings=False, qkv_bias=False)
+    match = match_stack(load_program(model.onnx_path))
+    assert match.head != match.embed and match.head not in match.rows
+    plan_tokens, plan_logits = decode(backend(model, "off"))
+    fused = backend(model, "on")
+    tokens, logits = decode(fused)
+    assert tokens == plan_tokens and fused.fused_metrics["steps"] == STEPS
+    for got, want in zip(logits, plan_logits, strict=True):
+        assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
+
+
 def test_fused_logits_are_the_same_bits_in_every_layout_eager_and_captured(
     models: Callable[..., DecoderModel],
 ) -> None:
@@ -205,10 +219,13 @@ def test_the_matcher_reads_the_decoder(models: Callable[..., DecoderModel]) -> N
     match = match_stack(program)
     assert (match.shape.hidden, match.shape.layers, match.shape.heads) == (128, 2, 2)
     assert (match.shape.kv_heads, match.shape.inter, match.theta) == (1, 256, 1e6)
-    assert match.head == match.embed and match.head_rows
+    assert match.head == match.embed and match.head in match.rows  # the tied table, [V, hidden]
+    assert all(layer["down"] in match.rows for layer in match.layers)  # prepacked to [N, K]
     assert all(layer["qkv_bias"] for layer in match.layers)
     nobias = load_program(models(qkv_bias=False).onnx_path)
-    assert not any(layer["qkv_bias"] for layer in match_stack(nobias).layers)
+    unpacked = match_stack(nobias)  # the file's layout: [K, N], but the tied head's [V, hidden]
+    assert not any(layer["qkv_bias"] for layer in unpacked.layers)
+    assert unpacked.rows == {unpacked.head}
 
 
 def by_op(program: Program, op: str, layer: int = 1) -> Node:
