@@ -41,22 +41,18 @@ from bench_native import QWEN_SPEC, build_or_reuse, model_spec  # noqa: E402
 
 def model_weights(folder: Path, layers: int) -> tuple[list[dict[str, np.ndarray]], np.ndarray,
                                                        np.ndarray]:  # fmt: skip
-    """An `ep_graphs` model's weights as `ep.kernels.stack` takes them: per layer, the final
-    norm's weight, the embedding table (tied: also the head)."""
-    import onnx
-    from onnx import numpy_helper
+    """An `ep_graphs` model's weights as `ep.kernels.stack` takes them, read from its graph by
+    `ep.native.fused.match_stack`: per layer, the final norm's weight, the embedding table
+    (tied: also the head)."""
+    from ep.native.fused import match_stack, stack_layers
+    from ep.native.program import load_program
 
-    init = {i.name: numpy_helper.to_array(i)
-            for i in onnx.load(str(folder / "model.onnx")).graph.initializer}  # fmt: skip
-    names = {
-        "input_norm": "input_layernorm.weight", "qkv": "attn.qkv_proj.MatMul.weight",
-        "qkv_bias": "attn.qkv_proj.Add.bias", "o": "attn.o_proj.MatMul.weight",
-        "post_norm": "post_attention_layernorm.weight",
-        "gate_up": "mlp.gate_up_proj.MatMul.weight", "down": "mlp.down_proj.MatMul.weight",
-    }  # fmt: skip
-    out = [{k: init[f"model.layers.{li}.{v}"] for k, v in names.items()} for li in range(layers)]
-    final = init[f"model.layers.{layers}.final_norm_layernorm.weight"]
-    return out, final, init["model.embed_tokens.weight"]
+    program = load_program(folder / "model.onnx")
+    match = match_stack(program)
+    if match.shape.layers != layers:
+        raise ValueError(f"{folder}: {match.shape.layers} layers, expected {layers}")
+    out, final = stack_layers(program, match)
+    return out, final, program.arrays[match.embed]
 
 
 # (name, first stamp, last stamp, over): "all"/"attn", median over those blocks of the stamps'

@@ -45,7 +45,7 @@ import numpy as np
 
 from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream
 from ep.errors import KernelArgumentError
-from ep.kernels._common import PRELUDE, SILU_MUL
+from ep.kernels._common import PRELUDE, SILU_MUL, KernelFault, set_fault
 
 __all__ = [
     "StackIO",
@@ -916,14 +916,14 @@ def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
         h, nl = shape.hidden, shape.layers
         p = int(pos[0])
         if not 0 <= p < min(int(cap), SCORES):
-            status[0] |= np.uint32(4)  # KernelFault.KV_POSITION: the kernel does nothing
+            set_fault(status, KernelFault.KV_POSITION)  # the kernel does nothing
             return
         token = int(ids[0])
         x = np.zeros(h, np.float32)
         if 0 <= token < int(embed_rows):
             x = embed[token * h : (token + 1) * h].astype(np.float32)
         else:
-            status[0] |= np.uint32(1)  # KernelFault.TOKEN_ID: a zero row
+            set_fault(status, KernelFault.TOKEN_ID)  # a zero row
         layers = unpack_stack(shape, ws, wstart, blocks)
         g = norms[: (2 * nl + 1) * h].reshape(2 * nl + 1, h)
         bias = qkv_bias[: nl * shape.qkv].reshape(nl, shape.qkv)

@@ -207,10 +207,10 @@ class NativeBackend:
         self.fused_mode = fused
         self.fused_steps = 0  # decode steps the fused kernel ran
         self.fused_reason = ""  # why the last step that could not be fused was not
-        self._fused_match = self._fused_model()
+        match = self._fused_model()
         # packed once here (about 4 s and 0.7 GB for the 0.5B model), not inside a step
-        self._fused = None if self._fused_match is None else FusedDecode(
-            self.device, self.program, self._fused_match, self.weights, stream=self.stream,
+        self._fused = None if match is None else FusedDecode(
+            self.device, self.program, match, self.weights, stream=self.stream,
             status=self.status,
         )  # fmt: skip
 
@@ -267,7 +267,7 @@ class NativeBackend:
         kernel's, the decode steps it ran, and why the last other one was not fused."""
         return {
             "mode": self.fused_mode,
-            "matched": self._fused_match is not None,
+            "matched": self._fused is not None,
             "steps": self.fused_steps,
             "reason": self.fused_reason,
         }

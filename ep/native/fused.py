@@ -43,6 +43,7 @@ __all__ = [
     "fused_kernel_refusal",
     "fused_refusal",
     "match_stack",
+    "stack_layers",
 ]
 
 FUSED_MODES = ("auto", "on", "off")
@@ -319,6 +320,25 @@ def fused_refusal(batch: int, strides: KVStrides | None) -> str:
     return ""
 
 
+def stack_layers(
+    program: Program, match: StackMatch
+) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
+    """``match``'s layers as `ep.kernels.stack.pack_stack` and `reference_step` take them
+    (projections [K, N], zero biases where the graph has no Add), and the final norm's weight."""
+    arrays = program.arrays
+    layers = []
+    for names in match.layers:
+        layer = {}
+        for key in _LAYER_WEIGHTS:
+            name = names[key]
+            if key == "qkv_bias" and not name:
+                layer[key] = np.zeros(match.shape.qkv, BF16)
+            else:  # a prepacked MatMul weight is [N, K]
+                layer[key] = arrays[name].T if name in match.rows else arrays[name]
+        layers.append(layer)
+    return layers, arrays[match.final_norm]
+
+
 class FusedDecode:
     """`ep.kernels.stack.StackStep` for ``match`` on ``device``, fed by the backend's buffers."""
 
@@ -330,17 +350,7 @@ class FusedDecode:
         from ep.ops.rotary import _inv_freq
 
         arrays = program.arrays
-        layers = []
-        for names in match.layers:
-            layer = {}
-            for key in _LAYER_WEIGHTS:
-                name = names[key]
-                if key == "qkv_bias" and not name:
-                    layer[key] = np.zeros(match.shape.qkv, BF16)
-                    continue
-                # pack_stack takes [K, N]; a prepacked MatMul weight is [N, K]
-                layer[key] = arrays[name].T if name in match.rows else arrays[name]
-            layers.append(layer)
+        layers, final_norm = stack_layers(program, match)
 
         def table(name: str, rows: bool) -> Buffer:
             """The backend's buffer of a [rows, hidden] table, or a copy of our own where the
@@ -362,7 +372,7 @@ class FusedDecode:
         self.match = match
         self.stream = stream
         self.step = StackStep(
-            device, match.shape, layers, arrays[match.final_norm],
+            device, match.shape, layers, final_norm,
             _inv_freq(match.theta, match.shape.head_dim),
             head, None, stream=stream, embed=embed, status=status,
         )  # fmt: skip
@@ -375,9 +385,10 @@ class FusedDecode:
         from ep.kernels.stack import StackIO, kv_addresses
 
         addresses = kv_addresses(list(binding.keys), list(binding.values))
-        if tuple(addresses.tolist()) != self._kv_for:
+        now = tuple(addresses.tolist())
+        if now != self._kv_for:
             self._kv.copy_from_host(addresses, stream=self.stream)
-            self._kv_for = tuple(addresses.tolist())
+            self._kv_for = now
         io = StackIO(
             ids=plan.input_ids, pos=plan.positions, logits=plan.logits, kv=self._kv,
             token_stride=binding.strides.token, head_stride=binding.strides.head,
