@@ -8,20 +8,23 @@ Same process, same weights (read from the model `bench_native.py` builds and cac
    compared with
    `ep.kernels.stack.reference_step` (NumPy, float32 sums), and its last logits with NumPy's
    and with the native backend's after a prefill of the same prompt.
-2. **Time**: device ms of one replayed graph of (the kernel, which reads the token's embedding
-   row itself, with its head; the argmax) and without the argmax, against the native
+2. **Time**: device ms of one replayed graph of the kernel (which reads the token's embedding
+   row itself, with its head), and of a device-loop step: the kernel, the argmax and
+   ``native_advance``, or the kernel picking itself (its own argmax, next id and position: one
+   launch), the position moving on from the prompt's length each round; against the native
    backend's captured decode graph (what `profile_native.py` calls "graph"), replayed back to
    back, rounds interleaved.
 3. ``--trace``: one launch's per-block global-timer stamps, as the median µs of each stage of
    a layer, of the waits for weights and of the producer's waits for ring space.
 
     python3 tools/bench_stack.py --out DIR                    # on the H200
-    python3 tools/bench_stack.py --tunings 8:0:1,11:0:4 --trace  # warps:chunk:min_cols, stages
+    python3 tools/bench_stack.py --tunings 8:0:4:-1,8:0:4:0 --trace  # warps:chunk:min_cols[:poll]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -123,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tunings",
         default="",
-        help="comma-separated warps:chunk:min_cols "
+        help="comma-separated warps:chunk:min_cols[:poll] "
         "(`ep.kernels.stack.StackTuning`; chunk 0: the default; default: the kernel's)",
     )
     p.add_argument("--trace", action="store_true", help="also the stages of one launch")
@@ -135,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ep.device import get_device
     from ep.kernels import sample
-    from ep.kernels.stack import StackShape, StackStep, StackTuning, reference_step
+    from ep.kernels.stack import SCORES, StackShape, StackStep, StackTuning, reference_step
     from ep.model import load_model
     from ep.ops.rotary import _inv_freq
 
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     emb = dev.to_device(embed, stream=stream)
     tunings = [StackTuning(*(int(v) for v in t.split(":"))) for t in s.tunings.split(",") if t]
     tunings = [t.resolved(shape) for t in tunings or [StackTuning()]]
-    names = [f"w{t.warps} c{t.chunk} m{t.min_cols}" for t in tunings]
+    names = [f"w{t.warps} c{t.chunk} m{t.min_cols} p{t.poll}" for t in tunings]
     steps: list[Any] = []
     for tuning in tunings:  # one packed copy of the weights serves every tuning
         packed = (steps[0].ws, steps[0].starts) if steps else None
@@ -165,12 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     ids = dev.alloc(1, np.int64, stream=stream)
     scratch = sample.argmax_scratch(dev, 1, stream=stream)
 
-    def run(st: Any, *, argmax: bool) -> None:
-        st.launch(stream=stream)
-        if argmax:
-            sample.argmax(dev, ids, st.io.logits, batch=1, vocab=vocab, scratch=scratch,
-                          stream=stream)  # fmt: skip
-
     # 1. correctness
     prompt = np.random.default_rng(1).integers(3, vocab, s.prompt, dtype=np.int64)
     kc = list(np.zeros((shape.layers, shape.kv_heads, s.context, shape.head_dim), np.float32))
@@ -182,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         for st in steps:
             st.io.ids.copy_from_host(np.array([tok]), stream=stream)
             st.io.pos.copy_from_host(np.array([t]), stream=stream)
-            run(st, argmax=True)
+            st.launch(stream=stream)
             outs.append(st.io.logits.to_host(stream=stream).copy())
         # another warp count sums long columns in another order: only same-warps runs compare
         tunings_equal &= all(np.array_equal(o, outs[0]) for o, t in zip(outs, tunings, strict=True)
@@ -221,17 +218,37 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(4):  # eager steps, then the capture policy captures
         tokens = np.asarray(backend.step(np.atleast_1d(tokens))).argmax(-1)
     native_graph = list(backend.capture.graphs.values())[-1].graph
-    graphs = {}
+    # a device loop's step, from the prompt's length on each round (the position moves on):
+    # the kernel, the argmax and native_advance (three launches), or the kernel picking (one)
+    from ep.native import _kernels as nk
+
+    picking = dev.to_device(np.array([1], np.int64), stream=stream)
+    history = dev.alloc(1, np.int64, stream=stream)
+    graphs, loop_pos = {}, {}
     for tag, st in zip(names, steps, strict=True):
         st.io.pos.copy_from_host(np.array([s.prompt]), stream=stream)
-        for name, argmax in ((f"kernel {tag} + argmax", True), (f"kernel {tag}", False)):
+        with dev.capture(stream=stream) as cap:
+            st.launch(stream=stream)
+        graphs[f"kernel {tag}"] = cap.graph
+        for name, picks in ((f"loop {tag}: kernel + argmax + advance", False),
+                            (f"loop {tag}: kernel picking", True)):  # fmt: skip
+            io = dataclasses.replace(st.io, pos=dev.alloc(1, np.int64, stream=stream))
+            if picks:
+                tokens = dev.alloc(SCORES + 1, np.int64, stream=stream)
+                io = dataclasses.replace(io, tokens=tokens, picking=picking)
             with dev.capture(stream=stream) as cap:
-                run(st, argmax=argmax)
-            graphs[name] = cap.graph
+                st.launch(stream=stream, io=io)
+                if not picks:
+                    sample.argmax(dev, ids, io.logits, batch=1, vocab=vocab, scratch=scratch,
+                                  stream=stream)  # fmt: skip
+                    nk.advance(dev, io.ids, io.pos, history, ids, batch=1, slot=0, stream=stream)
+            graphs[name], loop_pos[name] = cap.graph, io.pos
     times: dict[str, list[float]] = {"native graph": [], **{k: [] for k in graphs}}
     for _ in range(s.rounds):
         times["native graph"].append(replay_ms(dev, backend.stream, native_graph, s.reps))
         for name, g in graphs.items():
+            if name in loop_pos:
+                loop_pos[name].copy_from_host(np.array([s.prompt]), stream=stream)
             times[name].append(replay_ms(dev, stream, g, s.reps))
     native = statistics.median(times["native graph"])
     for name, v in times.items():

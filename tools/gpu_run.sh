@@ -3,9 +3,13 @@
 #
 #   bash tools/gpu_run.sh [OUT]        # OUT defaults to $OUT, else ./gpu-results
 #   LARGE=0 skips the 1.5B-shaped offload run; ALL=1 adds the whole test suite.
-#   STAGES="tests profile" runs only those stages (tests profile kernels sampling native large;
-#   default all): a session's calls on the device machine are at most 10 minutes each. TESTS="PATH ..."
-#   narrows the tests stage to those paths (default: tests).
+#   STAGES="tests profile" runs only those stages (compile tests profile kernels sampling native
+#   large, the default; and table stack ncu-stack): a session's calls on the device machine are at
+#   most 10 minutes each. TESTS="PATH ..." narrows the tests stage to those paths (default: tests).
+#   table: the native issue's table (tools/bench_native.py at batch 1, 4, 16, 64 steps, 3
+#   repeats; NATIVE_ARGS adds arguments); stack: tools/bench_stack.py (STACK_ARGS adds arguments,
+#   e.g. --tunings 8:0:4:0 --trace); ncu-stack: Nsight Compute's warp stall reasons of one launch
+#   of the persistent stack kernel, by source line (compiled with line info).
 #
 # The machine has no network: wheels the project needs beyond what is installed there
 # (onnxruntime-extensions) come from ./.whl (see docs/benchmarks/README.md for how to fetch them).
@@ -38,13 +42,15 @@ for name in ("cuda-core", "cuda-bindings", "nvidia-cuda-nvrtc", "nvidia-cuda-run
         print(f"{name} missing")
 EOF
 
-echo "== kernels compile"
-python3 -m ep.cli kernels --json >"$out/kernels.json" || { echo "kernel compile failed"; exit 1; }
-
 # Each stage has a time limit (seconds; the device time of a session is short) and writes its
 # results under OUT as it goes, so a stage that runs out of time still leaves the others'.
-STAGES=" ${STAGES:-tests profile kernels sampling native large} "
+STAGES=" ${STAGES:-compile tests profile kernels sampling native large} "
 want() { [[ "$STAGES" == *" $1 "* ]]; }
+
+if want compile; then
+    echo "== kernels compile"
+    python3 -m ep.cli kernels --json >"$out/kernels.json" || { echo "kernel compile failed"; exit 1; }
+fi
 stage() {  # stage LIMIT NAME COMMAND...
     local limit=$1 name=$2
     shift 2
@@ -92,6 +98,38 @@ if want native; then
         --batches 1 2 4 8 16 --steps 32 --offload scan_resistant --budget 100%,75%,50%,25% \
         --out "$out"
     native_rc=$?
+fi
+if want table; then
+    # shellcheck disable=SC2086  # NATIVE_ARGS is a list of arguments
+    TAIL=40 stage 420 bench-table python3 tools/bench_native.py --device cuda --batches 1 4 16 \
+        --steps 64 --repeats 3 --out "$out/table" ${NATIVE_ARGS:-}
+    native_rc=$?
+fi
+if want stack; then
+    # shellcheck disable=SC2086  # STACK_ARGS is a list of arguments
+    TAIL=40 stage 300 bench-stack python3 tools/bench_stack.py --out "$out" ${STACK_ARGS:-}
+    bench_rc=$?
+fi
+if want ncu-stack; then  # one launch (a prompt step), its stalls by source line
+    cat >"$out/ncu_stack.py" <<'PY'
+import sys
+
+import ep.kernels.stack as stack
+
+options = stack.CompileOptions
+stack.CompileOptions = lambda **kw: options(**kw, lineinfo=True)  # source lines in the report
+sys.path.insert(0, "tools")
+import bench_stack  # noqa: E402
+
+raise SystemExit(bench_stack.main(["--reps", "2", "--rounds", "1", "--prompt", "8"]))
+PY
+    TAIL=60 stage 300 ncu-stack ncu --kernel-name regex:ep_stack_bf16 --launch-skip 4 \
+        --launch-count 1 --section WarpStateStats --section SourceCounters --import-source yes \
+        -o "$out/ncu-stack" -f python3 "$out/ncu_stack.py"
+    ncu --import "$out/ncu-stack.ncu-rep" --page source --csv --print-source cuda \
+        >"$out/ncu-stack-source.csv" 2>&1 || true
+    ncu --import "$out/ncu-stack.ncu-rep" --page details >"$out/ncu-stack-details.txt" 2>&1 || true
+    tail -40 "$out/ncu-stack-details.txt"
 fi
 if want large && [ "${LARGE:-1}" = 1 ]; then  # the 1.5B shape: does not fit a small budget
     mkdir -p "$out/large"

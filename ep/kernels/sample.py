@@ -73,6 +73,7 @@ from ep.ops import sample as ref
 from ep.sampling import SamplingParams
 
 __all__ = [
+    "ARGMAX_KEYS",
     "FIXED_POINT_BITS",
     "MAX_SAMPLE_VOCAB",
     "SAMPLE_SCRATCH_WORDS",
@@ -97,7 +98,8 @@ SAMPLE_SCRATCH_WORDS = _SCRATCH_HEADER + 3 * _SCRATCH_HIST
 _THREADS = 512
 ARGMAX_SPAN = _THREADS * 8
 
-_KEYS = r"""
+# The argmax's keys, also the persistent stack kernel's (ep.kernels.stack)
+ARGMAX_KEYS = r"""
 // An order-preserving 32-bit key of a float: larger value, larger key; NaN above everything.
 static __device__ __forceinline__ u32 order_key(float v) {
     if (v != v) return 0xffffffffu;
@@ -112,6 +114,11 @@ static __device__ __forceinline__ u64 composite(float v, i64 i) {
 static __device__ __forceinline__ i64 index_of(u64 key) {
     return (i64)(0xffffffffu - (u32)(key & 0xffffffffull));
 }
+"""
+
+_KEYS = (
+    ARGMAX_KEYS
+    + r"""
 // Calls f(value, index) for this thread's elements of a row (stride blockDim.x), reading
 // UNROLL elements before using any so each thread keeps several loads in flight.
 template <int UNROLL, typename X, typename F>
@@ -147,6 +154,7 @@ static __device__ u64 block_max_u64(u64 v, u64* scratch) {
     return v;
 }
 """
+)
 
 _ARGMAX_BODY = (
     _KEYS

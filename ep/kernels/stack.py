@@ -1,5 +1,5 @@
 """A decoder stack's whole decode step as one persistent kernel: ``ep_stack_bf16`` (sm_90a,
-bf16, one sequence). An experiment measured against the native executor; not yet used by it.
+bf16, one sequence): the native backend's fused decode step (`ep.native.fused`).
 
 The native executor runs a decode step of the 0.5B benchmark model as about 170 dependent
 launches; under programmatic dependent launch each still costs 2-3 µs from launch to finish on
@@ -23,15 +23,19 @@ norm and a tied or untied head in one cooperative launch of one block an SM:
   this took the step from 0.58 to 0.53 ms against counters with release/acquire.
 - Every block normalises the residual row for itself (hidden elements from L2); attention runs
   on one block a query head, which loads the cached positions' keys and values before its
-  inputs arrive; the head's logits are stored as bf16.
+  inputs arrive; the head's logits are stored as bf16 values (float32).
+- With a history to write (`StackIO`), the launch also takes the greedy pick of a device token
+  loop: each block's best (logit, index) key meets the others' by atomicMax, and the last block
+  to arrive writes the id as the next input, into the history, and moves the position on: a
+  loop step is one launch.
 
 Values are rounded to bf16 where the op-per-launch graph rounds them (each op's output), so the
 step is that graph's up to summation order: `reference_step` is the NumPy form (float32 sums),
 and on the benchmark model the kernel's logits are as far from it as the native executor's
 (tools/bench_stack.py). On the CPU device the launch runs that reference (the kernel's NumPy
-twin), so `StackStep` and its tests run without a GPU. The KV cache is the kernel's own:
-[layer][kv head][capacity][head_dim], bf16, filled by running the kernel position by position
-(a prefill is not part of it yet).
+twin), so `StackStep` and its tests run without a GPU. The KV cache is the caller's, through
+an address table and strides (`StackIO`); by default the step's own,
+[layer][kv head][capacity][head_dim] bf16, filled position by position.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import numpy as np
 from ep.device import Buffer, CompileOptions, Device, KernelSource, Stream
 from ep.errors import KernelArgumentError
 from ep.kernels._common import PRELUDE, SILU_MUL, KernelFault, set_fault
+from ep.kernels.sample import ARGMAX_KEYS
 
 __all__ = [
     "StackIO",
@@ -136,15 +141,18 @@ class StackTuning:
 
     ``warps``: consumer warps a block (one more produces); ``chunk``: bytes of a ring chunk
     (whole columns; 0: `default_chunk`); ``min_cols``: columns a chunk holds at least, so long
-    columns (K = intermediate: the down projection) come several a chunk, in a bigger one."""
+    columns (K = intermediate: the down projection) come several a chunk, in a bigger one;
+    ``poll``: how a block waits for the values of other blocks (< 0: it reloads all of them each
+    round; 0: only those not yet arrived; > 0: that, sleeping ``poll`` ns between rounds)."""
 
     warps: int = CW
     chunk: int = 0
     min_cols: int = 4
+    poll: int = 0
 
     def resolved(self, shape: StackShape) -> StackTuning:
         return StackTuning(self.warps, self.chunk or default_chunk(shape, self.warps),
-                           self.min_cols)  # fmt: skip
+                           self.min_cols, self.poll)  # fmt: skip
 
     def chunk_bytes(self, k: int) -> int:
         """A chunk's bytes for columns of ``k`` (the kernel's ``chunk_bytes<K>``)."""
@@ -213,12 +221,12 @@ def _cuda(shape: StackShape, blocks: int, t: StackTuning, ring: int) -> str:
         "H": shape.hidden, "NH": shape.heads, "NKV": shape.kv_heads, "HD": shape.head_dim,
         "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": t.chunk,
         "MIN_COLS": t.min_cols, "SLOTS": SLOTS, "RING": ring, "CW": t.warps, "SCORES": SCORES,
-        "RESMAX": _resmax(shape, blocks, t), "TRACE_STAMPS": TRACE_STAMPS,
+        "RESMAX": _resmax(shape, blocks, t), "TRACE_STAMPS": TRACE_STAMPS, "POLL": t.poll,
     }  # fmt: skip
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     scale = float(np.float32(shape.attention_scale))
     head += f"#define EPS {float(shape.eps)!r}f\n#define SCALE {scale!r}f\n"
-    return head + PRELUDE + SILU_MUL + _SOURCE
+    return head + PRELUDE + SILU_MUL + ARGMAX_KEYS + _SOURCE
 
 
 _SOURCE = r"""
@@ -283,22 +291,43 @@ static __device__ __forceinline__ void untag(const uint4& v, float* f) {
 }
 // xs[0..N) = the N tagged values at src once all carry ``tag`` (every consumer thread; the
 // caller's barrier publishes xs)
+// POLL < 0: every round reloads all of a thread's words; else only those not yet tagged, with
+// a __nanosleep(POLL) between rounds when POLL > 0 (less traffic on the words being written).
 template <int N>
 static __device__ __forceinline__ void gather(const u32* src, u32 tag, float* xs, int tid) {
     constexpr int U = N / 4, PER = (U + CT - 1) / CT;
+    static_assert(PER <= 32, "a thread's words as bits of one mask");
     uint4 v[PER];
-    bool ok;
-    do {
-        ok = true;
+    if (POLL < 0) {
+        bool ok;
+        do {
+            ok = true;
 #pragma unroll
-        for (int j = 0; j < PER; ++j) {
-            const int i = tid + j * CT;
-            if (i < U) {
-                v[j] = ld_tagged(src + 4 * i);
-                ok &= has_tag(v[j], tag);
+            for (int j = 0; j < PER; ++j) {
+                const int i = tid + j * CT;
+                if (i < U) {
+                    v[j] = ld_tagged(src + 4 * i);
+                    ok &= has_tag(v[j], tag);
+                }
             }
+        } while (!ok);
+    } else {
+        u32 pending = 0u;
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            if (tid + j * CT < U) pending |= 1u << j;
+        while (true) {
+#pragma unroll
+            for (int j = 0; j < PER; ++j) {
+                if (pending & (1u << j)) {
+                    v[j] = ld_tagged(src + 4 * (tid + j * CT));
+                    if (has_tag(v[j], tag)) pending &= ~(1u << j);
+                }
+            }
+            if (pending == 0u) break;
+            if (POLL > 0) __nanosleep((unsigned)POLL);
         }
-    } while (!ok);
+    }
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
         const int i = tid + j * CT;
@@ -629,13 +658,36 @@ static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv
     }
 }
 
+// *picking != 0: the greedy pick (np.argmax: the largest logit, the lowest index on ties, NaN
+// first). Each block's best (logit, index) key (``best``: one a consumer warp) meets the
+// others' in pick[0] by atomicMax, pick[1] counts arrivals, and the last block to arrive (every
+// block has read ids and pos by then) writes the id as the next input and as tokens[pos + 1],
+// moves the position on, and zeroes pick for the next launch. Out of line: the layer loop
+// keeps its registers.
+static __device__ __noinline__ void pick_token(const u64* best, u64* pick, i64* tokens, i64* ids,
+                                               i64* posp, int pos) {
+    u64 key = best[0];
+    for (int w = 1; w < CW; ++w) key = best[w] > key ? best[w] : key;
+    unsigned long long* meet = reinterpret_cast<unsigned long long*>(pick);
+    atomicMax(meet, (unsigned long long)key);
+    __threadfence();
+    if (atomicAdd(meet + 1, 1ull) + 1ull < (unsigned long long)NB) return;
+    __threadfence();
+    const i64 token = index_of(atomicExch(meet, 0ull));
+    meet[1] = 0ull;
+    tokens[pos + 1] = token;
+    *ids = token;
+    *posp = pos + 1;
+}
+
 extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     const u8* __restrict__ ws, const u64* __restrict__ wstart, const bf16* __restrict__ norms,
     const bf16* __restrict__ qkv_bias, const float* __restrict__ inv_freq,
     const bf16* __restrict__ head, float* logits, int vocab, const bf16* __restrict__ embed,
-    int embed_rows, const i64* __restrict__ ids, u32* R, u32* R1, u32* qkv, u32* att, u32* act,
-    bf16* y, const u64* __restrict__ kv, i64 ts, i64 hs, const i64* __restrict__ posp,
-    u32* epoch_at, int cap, u32* status, u64 trace_at) {
+    int embed_rows, i64* ids, u32* R, u32* R1, u32* qkv, u32* att, u32* act,
+    bf16* y, const u64* __restrict__ kv, i64 ts, i64 hs, i64* posp,
+    u32* epoch_at, int cap, u32* status, i64* tokens, const i64* picking, u64* pick,
+    u64 trace_at) {
     extern __shared__ __align__(128) u8 smem[];
     u64* full = reinterpret_cast<u64*>(smem);
     u64* empty = full + SLOTS;
@@ -653,7 +705,9 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     u64* trace = reinterpret_cast<u64*>(trace_at);
     __shared__ u32 s_epoch;
     __shared__ int s_pos;
+    __shared__ bool s_picking;
     __shared__ u64 s_kv[2 * L];  // the caches' addresses, read once (not a load a layer)
+    __shared__ u64 s_best[CW];
 
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, b = blockIdx.x;
     for (int i = tid; i < 2 * L; i += blockDim.x) s_kv[i] = kv[i];
@@ -663,6 +717,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         s_epoch = *reinterpret_cast<volatile u32*>(epoch_at);
         const i64 p = *posp;
         s_pos = p < 0 || p >= cap || p >= SCORES ? -1 : (int)p;
+        s_picking = *picking != 0;
         if (s_pos < 0 && b == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
     }
     __syncthreads();
@@ -815,17 +870,32 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     constexpr int HCPC = chunk_cols<H, 1>();
     constexpr int STEP = RESMAX / HCPC * HCPC;  // whole chunks: the producer's boundaries
     static_assert(STEP > 0, "res must hold a chunk of head rows");
+    u64 best = 0ull;  // the block's (logit, index) key, below every real one
     for (int c0 = v0; c0 < v1; c0 += STEP) {
         const int n = min(STEP, v1 - c0);
         project<H, 1>(n, xs, res, part, ring, warp, lane, tid);
         cbar();
-        for (int c = tid; c < n; c += CT) logits[c0 + c] = rbf(res[c]);
+        for (int c = tid; c < n; c += CT) {
+            const float v = rbf(res[c]);
+            logits[c0 + c] = v;
+            const u64 k = composite(v, c0 + c);
+            best = k > best ? k : best;
+        }
         cbar();
     }
     // Every block read the epoch before its first store, and block 0's last gather saw every
     // block's last store. Kept modulo 65535, so tags run on without a jump: the tag after
     // epoch 65534's last layer is epoch 0's first.
     if (b == 0 && tid == 0) *epoch_at = (s_epoch + 1u) % 65535u;
+    if (!s_picking) return;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
+        best = other > best ? other : best;
+    }
+    if (lane == 0) s_best[warp] = best;
+    cbar();
+    if (tid == 0) pick_token(s_best, pick, tokens, ids, posp, pos);
 }
 """
 
@@ -854,10 +924,11 @@ def shared_bytes(shape: StackShape, blocks: int, t: StackTuning) -> int:
 
 
 # ws, wstart, norms, qkv_bias, inv_freq, head, logits, vocab, embed, embed_rows, ids, R, R1,
-# qkv, att, act, y, kv (2 L addresses), ts, hs, pos, epoch, cap, status, trace address
+# qkv, att, act, y, kv (2 L addresses), ts, hs, pos, epoch, cap, status, tokens, picking, pick
+# scratch, trace address
 _PARAMS = ("u8*", "u64*", "bf16*", "bf16*", "f32*", "bf16*", "f32*", "i32", "bf16*", "i32",
            "i64*", "u32*", "u32*", "u32*", "u32*", "u32*", "bf16*", "u64*", "i64", "i64", "i64*",
-           "u32*", "i32", "u32*", "u64")  # fmt: skip
+           "u32*", "i32", "u32*", "i64*", "i64*", "u64*", "u64")  # fmt: skip
 
 
 def cache_views(
@@ -911,7 +982,8 @@ def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
         embed: np.ndarray, embed_rows: np.int32, ids: np.ndarray, R: np.ndarray, R1: np.ndarray,
         qkv: np.ndarray, att: np.ndarray, act: np.ndarray, y: np.ndarray, kv: np.ndarray,
         ts: np.int64, hs: np.int64, pos: np.ndarray, epoch: np.ndarray, cap: np.int32,
-        status: np.ndarray, trace: np.uint64,
+        status: np.ndarray, tokens: np.ndarray, picking: np.ndarray, pick: np.ndarray,
+        trace: np.uint64,
     ) -> None:  # fmt: skip
         h, nl = shape.hidden, shape.layers
         p = int(pos[0])
@@ -937,6 +1009,9 @@ def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
         table = head[: int(vocab) * h].reshape(int(vocab), h).astype(np.float32)
         logits[: int(vocab)] = _bf(table @ out)
         epoch[0] = (int(epoch[0]) + 1) % 65535
+        if picking[0]:  # the greedy pick and the loop's advance (np.argmax's ties, as the kernel)
+            token = int(np.argmax(logits[: int(vocab)]))
+            tokens[p + 1], ids[0], pos[0] = token, token, p + 1
 
     return run
 
@@ -956,7 +1031,8 @@ def stack_kernel(shape: StackShape, blocks: int, tuning: StackTuning | None = No
     tag = f"h{shape.hidden}_n{shape.heads}_{shape.kv_heads}_i{shape.inter}_l{shape.layers}"
     digest = hashlib.sha256(source.encode()).hexdigest()[:8]  # eps and scale are in the source
     return KernelSource(
-        name=f"ep_stack_bf16_{tag}_b{blocks}_w{t.warps}_c{t.chunk}_m{t.min_cols}_{digest}",
+        name=f"ep_stack_bf16_{tag}_b{blocks}_w{t.warps}_c{t.chunk}_m{t.min_cols}_p{t.poll}_"
+        f"{digest}",
         entry="ep_stack_bf16",
         source=source,
         params=_PARAMS,
@@ -1017,7 +1093,13 @@ class StackIO:
     (element 0); ``logits``: float32 [vocab] (bf16-rounded values, as the graph's Cast of its bf16
     logits); ``kv``: uint64 [2 * layers], the address of each layer's K cache, then of each
     layer's V cache, where element (kv head, t, d) is at kv head * ``head_stride`` + t *
-    ``token_stride`` + d, for t < ``capacity``."""
+    ``token_stride`` + d, for t < ``capacity``.
+
+    ``tokens`` (int64 [SCORES + 1]) and ``picking`` (int64 [1]; both or neither): while
+    ``picking[0]`` is not 0 (a value on the device, so one captured launch serves both ways),
+    the launch also takes the greedy pick, a device token loop's step: the argmax of its logits
+    (``np.argmax``'s: the lowest index on ties) is the next step's input (``ids`` <- the id,
+    ``pos`` + 1) and the token at that position (``tokens[pos + 1]``)."""
 
     ids: Buffer
     pos: Buffer
@@ -1026,6 +1108,8 @@ class StackIO:
     token_stride: int
     head_stride: int
     capacity: int
+    tokens: Buffer | None = None
+    picking: Buffer | None = None
 
 
 def kv_addresses(keys: list[Buffer], values: list[Buffer]) -> np.ndarray:
@@ -1114,7 +1198,11 @@ class StackStep:
         )
         self.qkv, self.act = alloc(shape.qkv, np.uint32), alloc(shape.inter, np.uint32)
         self.epoch = alloc(1, np.uint32)
-        for buffer in (self.R, self.R1, self.att, self.qkv, self.act, self.epoch):
+        # the pick's meeting place (best key, arrivals; zeroed by each launch's last block),
+        # and the 0 a launch without tokens and picking reads as its picking
+        self.pick, self._unpicked = alloc(2, np.uint64), alloc(1, np.int64)
+        for buffer in (self.R, self.R1, self.att, self.qkv, self.act, self.epoch, self.pick,
+                       self._unpicked):  # fmt: skip
             dev.fill(buffer, 0, stream=stream)
         self.io: StackIO | None = None
         if capacity is None:
@@ -1150,6 +1238,17 @@ class StackStep:
                             "positive multiples of 8 elements (16-byte rows) needed")  # fmt: skip
         if io.capacity < 1:
             problems.append(f"capacity {io.capacity}")
+        tokens, picking = io.tokens, io.picking
+        if (tokens is None) != (picking is None):
+            problems.append("a pick needs both tokens and picking")
+        elif (
+            tokens is not None
+            and picking is not None
+            and (tokens.dtype != np.int64 or tokens.size < SCORES + 1 or picking.dtype != np.int64)
+        ):
+            problems.append(f"tokens of {tokens.size} {tokens.dtype} and picking {picking.dtype}; "
+                            f"expected int64 [{SCORES + 1}] (one a position the kernel takes, "
+                            "and the next) and int64 [1]")  # fmt: skip
         if problems:
             raise KernelArgumentError("persistent stack: " + "; ".join(problems))
 
@@ -1163,10 +1262,14 @@ class StackStep:
         if io is None:
             raise KernelArgumentError("persistent stack: launch() without io= on a step made "
                                       "without a cache of its own (capacity None)")  # fmt: skip
+        unpicked = io.tokens is None or io.picking is None
+        tokens = self._unpicked if unpicked else io.tokens
+        picking = self._unpicked if unpicked else io.picking
         self.kernel.launch(
             self.blocks, self.threads, self.ws, self.starts, self.norms, self.bias,
             self.inv_freq, self.head, io.logits, self.vocab, self.embed, self.embed_rows, io.ids,
             self.R, self.R1, self.qkv, self.att, self.act, self.y, io.kv, io.token_stride,
-            io.head_stride, io.pos, self.epoch, io.capacity, self.status,
+            io.head_stride, io.pos, self.epoch, io.capacity, self.status, tokens, picking,
+            self.pick,
             0 if trace is None else trace.ptr, stream=stream, shared_mem=self.shared,
         )  # fmt: skip

@@ -29,7 +29,9 @@ decoder is one persistent kernel (`ep.kernels.stack`) on the plan's own buffers 
 never under the plan's signature. Other steps (another batch, a paged layout, a position past
 the kernel's attention) run the plan, and ``fused_metrics`` says why. The kernel rounds where the
 graph rounds but sums in its own order: its logits are not the plan's bits, so batch rows and
-solo runs agree bitwise only with it off (DESIGN.md §6), which is why it is opt-in.
+solo runs agree bitwise only with it off (DESIGN.md §6), which is why it is opt-in. In a greedy
+device loop, the fused step takes the pick itself (the argmax into the history, the next id and
+position): a step without a mask is one launch.
 
 Weights: by default every initializer is resident (`ResidentWeights`). With ``offload=`` (an
 offload policy), ``budget=`` and ``piece=`` (``offload.piece``: weights larger than this are held
@@ -206,6 +208,7 @@ class NativeBackend:
         self._decoding = False
         self.fused_mode = fused
         self.fused_steps = 0  # decode steps the fused kernel ran
+        self.fused_picks = 0  # of them, device-loop steps whose greedy pick it took too
         self.fused_reason = ""  # why the last step that could not be fused was not
         match = self._fused_model()
         # packed once here (about 4 s and 0.7 GB for the 0.5B model), not inside a step
@@ -264,11 +267,13 @@ class NativeBackend:
     @property
     def fused_metrics(self) -> dict[str, Any]:
         """``metrics.fused`` of ``genai-ep run --json``: the mode, whether the model is the fused
-        kernel's, the decode steps it ran, and why the last other one was not fused."""
+        kernel's, the decode steps it ran (``picks``: of them, device-loop steps whose greedy pick
+        it took), and why the last other one was not fused."""
         return {
             "mode": self.fused_mode,
             "matched": self._fused is not None,
             "steps": self.fused_steps,
+            "picks": self.fused_picks,
             "reason": self.fused_reason,
         }
 
@@ -497,9 +502,12 @@ class NativeBackend:
         self._check_faults()
         return np.asarray(ids).reshape(-1)[: self._real].astype(np.int64, copy=True)
 
-    def _decode_once(self, plan: StepPlan, ahead: int) -> None:
+    def _decode_once(self, plan: StepPlan, ahead: int, pick: bool = False) -> bool:
         """One decode step of ``plan`` (its ids and positions already on the device), the
-        cache made ready for the token at ``lens + ahead`` of every real row first."""
+        cache made ready for the token at ``lens + ahead`` of every real row first. With
+        ``pick`` (a greedy device loop's step), a fused step also takes the pick: the argmax as
+        the next input id and into the fused kernel's ``tokens``, the position moved on; True
+        when it did (else the caller picks)."""
         kv = self._kv
         rows = plan.batch
         epoch = kv.epoch
@@ -510,8 +518,11 @@ class NativeBackend:
             stops[self._real :] = 0
             kv.prepare(lens, stops)
         fused = self._fused_for(rows, int(lens.max()))
+        if fused is not None:
+            fused.set_picking(pick)
+            self.fused_steps += 1
+            self.fused_picks += pick
         bound = self._bind(plan, fused)
-        self.fused_steps += fused is not None
         if kv.epoch != epoch:
             self.capture.revalidate(bound.signature, kv.growths, rows)
         self._upload_table()
@@ -533,6 +544,7 @@ class NativeBackend:
         self._begin_step()
         self.capture.run(info, bound.calls, growths=kv.growths)
         self._end_step(self._real, bound.fixed)  # the real rows' tokens
+        return fused is not None and pick
 
     def _logits_to_host(self, logits: Any) -> np.ndarray:
         """``logits`` on the host, through a pinned buffer kept per shape: a copy from pageable
@@ -624,17 +636,35 @@ class NativeBackend:
         loop = self._loop_for(count, masked, drawn, draws)
         self._prefilled = None
         self._upload_step(plan, tokens)
+        picked: list[int] = []  # the steps the fused kernel picked, a run at a time
         for j in range(count):
-            self._decode_once(plan, j)
-            self._pick(loop, plan.logits, masked.size if j < mask_steps else 0, drawn)
+            masking = masked.size if j < mask_steps else 0
+            if self._decode_once(plan, j, pick=drawn is None and not masking):
+                picked.append(j)
+                continue
+            self._picked_to_history(picked, loop)
+            self._pick(loop, plan.logits, masking, drawn)
             nk.advance(self.device, plan.input_ids, plan.positions, loop.history, loop.sampled,
                        batch=rows, slot=j, stream=self.stream)  # fmt: skip
+        self._picked_to_history(picked, loop)
         history = loop.history.to_host(stream=self.stream)  # the one synchronisation
         self._check_faults()
         self.decode_syncs += 1
         self.lens[: self._real] += count
         out = np.asarray(history).reshape(-1)[: count * rows].reshape(count, rows)
         return out[:, : self._real].astype(np.int64, copy=True)
+
+    def _picked_to_history(self, picked: list[int], loop: _LoopBuffers) -> None:
+        """The tokens of a run of steps the fused kernel picked (``picked``, emptied), from its
+        ``tokens`` (by position) into the loop's history (by step): one copy on the device."""
+        if not picked or self._fused is None:
+            return
+        first = int(self.lens[0]) + picked[0] + 1  # the position of the first one's token
+        item = np.dtype(np.int64).itemsize
+        self.device.copy(loop.history, self._fused.tokens, stream=self.stream,
+                         nbytes=len(picked) * item, dst_offset=picked[0] * item,
+                         src_offset=first * item)  # fmt: skip
+        picked.clear()
 
     def _pick(
         self, loop: _LoopBuffers, logits: Any, masked: int, sampling: SamplingParams | None

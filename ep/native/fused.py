@@ -346,7 +346,7 @@ class FusedDecode:
         self, device: Device, program: Program, match: StackMatch, weights: Any, *,
         stream: Stream, status: Buffer,
     ) -> None:  # fmt: skip
-        from ep.kernels.stack import StackStep
+        from ep.kernels.stack import SCORES, StackStep
         from ep.ops.rotary import _inv_freq
 
         arrays = program.arrays
@@ -378,10 +378,16 @@ class FusedDecode:
         )  # fmt: skip
         self._kv = device.alloc(2 * match.shape.layers, np.uint64, stream=stream, name="fused.kv")
         self._kv_for: tuple[int, ...] = ()
+        # a picking launch's token for position p + 1 lands in tokens[p + 1]
+        self.tokens = device.alloc(SCORES + 1, np.int64, stream=stream, name="fused.tokens")
+        self._picking = device.alloc(1, np.int64, stream=stream, name="fused.picking")
+        device.fill(self._picking, 0, stream=stream)
+        self.picking = False
 
     def io(self, plan: Any, binding: KVBinding) -> StackIO:
         """The `StackIO` of ``plan``'s buffers and ``binding``'s cache (its addresses written to
-        the kernel's table when they changed; a captured launch reads them from there)."""
+        the kernel's table when they changed; a captured launch reads them from there), and of
+        this object's ``tokens`` and picking flag (`set_picking`)."""
         from ep.kernels.stack import StackIO, kv_addresses
 
         addresses = kv_addresses(list(binding.keys), list(binding.values))
@@ -392,7 +398,7 @@ class FusedDecode:
         io = StackIO(
             ids=plan.input_ids, pos=plan.positions, logits=plan.logits, kv=self._kv,
             token_stride=binding.strides.token, head_stride=binding.strides.head,
-            capacity=binding.capacity,
+            capacity=binding.capacity, tokens=self.tokens, picking=self._picking,
         )  # fmt: skip
         self.step.check_io(io)
         return io
@@ -405,6 +411,13 @@ class FusedDecode:
             step.launch(stream=stream, io=io)
 
         return fused_step
+
+    def set_picking(self, on: bool) -> None:
+        """Whether the next launches take the greedy pick (a flag on the device, written only
+        when it changes: the launch, and its graph, stay the same either way)."""
+        if on != self.picking:
+            self._picking.copy_from_host(np.array([int(on)], np.int64), stream=self.stream)
+            self.picking = on
 
     def signature(self) -> tuple[str, int, tuple[Any, ...], str]:
         """A binding-signature entry telling the fused step's graphs from the plan's."""

@@ -266,3 +266,58 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
     st.launch(stream=s)
     assert int(st.status.to_host(stream=s)[0]) == 1  # KernelFault.TOKEN_ID
     assert np.isfinite(st.io.logits.to_host(stream=s)).all()
+
+
+@pytest.mark.parametrize(
+    "kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=["cpu", "cuda"]
+)
+def test_a_picking_launch_takes_the_greedy_pick(kind: str, rng: np.random.Generator) -> None:
+    """A device-loop step in one launch: while ``picking`` holds 1, the argmax of its logits
+    (every logit twice, at 2i and 2i + 1, often in two blocks: the lower index wins, as
+    np.argmax's) becomes the next id and tokens[position + 1], the position moves on; eager and
+    captured alike, and the same captured launch does nothing of it while ``picking`` holds 0."""
+    import dataclasses
+
+    dev = stack_device(kind)
+    s = dev.default_stream
+    shape = SMALL
+    layers = random_layers(shape, rng)
+    final = (1 + 0.1 * rng.standard_normal(shape.hidden, np.float32)).astype(BF16)
+    table = np.repeat(rng.standard_normal((500, shape.hidden), np.float32).astype(BF16), 2, 0)
+    head = dev.to_device(table, stream=s)
+    st = StackStep(dev, shape, layers, final, _inv_freq(THETA, 64), head, 16, stream=s)
+    assert st.io is not None
+    tokens, picking = dev.alloc(SCORES + 1, np.int64, stream=s), dev.alloc(1, np.int64, stream=s)
+    dev.fill(tokens, -1, stream=s)
+    picking.copy_from_host(np.array([1]), stream=s)
+    io = dataclasses.replace(st.io, tokens=tokens, picking=picking)
+    st.check_io(io)
+    io.ids.copy_from_host(np.array([3]), stream=s)
+    io.pos.copy_from_host(np.array([0]), stream=s)
+
+    def check(t: int) -> None:
+        logits = io.logits.to_host(stream=s)
+        token = int(np.argmax(logits))
+        assert token % 2 == 0 and logits[token] == logits[token + 1]
+        assert int(tokens.to_host(stream=s)[t + 1]) == token
+        assert int(io.ids.to_host(stream=s)[0]) == token
+        assert int(io.pos.to_host(stream=s)[0]) == t + 1
+
+    for t in range(2):
+        st.launch(stream=s, io=io)
+        check(t)
+    with dev.capture(stream=s) as captured:  # records the launch, runs nothing
+        st.launch(stream=s, io=io)
+    for t in (2, 3, 4):
+        captured.graph.launch(stream=s)
+        check(t)
+    picking.copy_from_host(np.array([0]), stream=s)
+    captured.graph.launch(stream=s)  # position 5 again, nothing picked
+    assert int(io.pos.to_host(stream=s)[0]) == 5
+    assert int(tokens.to_host(stream=s)[6]) == -1
+    assert int(st.status.to_host(stream=s)[0]) == 0
+    captured.graph.close()
+    with pytest.raises(KernelArgumentError, match="a pick needs both tokens and picking"):
+        st.check_io(dataclasses.replace(st.io, tokens=tokens))
+    with pytest.raises(KernelArgumentError, match=f"expected int64 \\[{SCORES + 1}\\]"):
+        st.check_io(dataclasses.replace(io, tokens=dev.alloc(SCORES, np.int64, stream=s)))

@@ -95,7 +95,8 @@ def test_fused_steps_give_the_plans_tokens_in_every_layout(
     for got, want in zip(logits, plan_logits, strict=True):
         assert np.abs(got - want).max() <= 3e-2 * np.abs(want).max()
         assert np.array_equal(got, got.astype(np.float32))  # float32 logits, bf16 values
-    assert fused.fused_metrics == {"mode": "on", "matched": True, "steps": STEPS, "reason": ""}
+    assert fused.fused_metrics == {"mode": "on", "matched": True, "steps": STEPS,
+                                   "picks": STEPS - 4, "reason": ""}  # fmt: skip
     m = fused.capture_metrics
     assert m.captures >= 1 and m.replays > 0 and m.fallbacks == 0
     if layout == "seq_major_fixed":  # a fixed stride keeps the fused graph across growth
@@ -153,6 +154,49 @@ def test_a_step_past_the_kernels_attention_hands_over_to_the_plan(
     m = fused.capture_metrics
     assert m.invalidations == 1 and "fused.stack" in m.last_invalidation
     assert m.captures == 2
+
+
+def test_the_fused_step_takes_the_greedy_loops_pick(
+    models: Callable[..., DecoderModel], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a greedy device loop the kernel picks (one launch a step): the plan's tokens over
+    several calls, one with a masked first step (picked outside the kernel by the same
+    captured launch, its picking flag off) and a longer one (a bigger history); one graph and
+    no invalidation; a draw, or a step handed to the plan mid-loop, picks outside it."""
+    import ep.kernels.stack
+    from ep.sampling import SamplingParams
+
+    model = models()
+
+    def run(b: NativeBackend) -> list[int]:
+        b.prefill([PROMPT])
+        first = b.first_tokens()
+        masked = b.steps(first, 3, mask=[int(b.steps(first, 1)[0, 0])], mask_steps=1)
+        again = b.steps(masked[-1], 3)
+        longer = b.steps(again[-1], 6)  # 6 slots: the loop's history grows
+        return [*masked[:, 0], *again[:, 0], *longer[:, 0]]
+
+    plan = run(backend(model, "off"))
+    fused = backend(model, "on")
+    assert run(fused) == plan
+    # 1 (the masked id's), then 3 (1 masked) + 3 + 6
+    assert fused.fused_metrics["steps"] == 13 and fused.fused_metrics["picks"] == 12
+    m = fused.capture_metrics
+    assert m.captures == 1 and m.invalidations == 0 and m.fallbacks == 0
+
+    draw = backend(model, "on")
+    draw.prefill([PROMPT])
+    draw.steps(draw.first_tokens(), 4, sampling=SamplingParams(temperature=0.8, seed=1))
+    assert draw.fused_metrics["steps"] == 4 and draw.fused_metrics["picks"] == 0
+
+    monkeypatch.setattr(ep.kernels.stack, "SCORES", 10)  # positions 10 on: the plan's
+    handed = backend(model, "on")
+    handed.prefill([PROMPT])
+    tokens = handed.steps(handed.first_tokens(), 6)[:, 0].tolist()
+    plain = backend(model, "off")
+    plain.prefill([PROMPT])
+    assert tokens == plain.steps(plain.first_tokens(), 6)[:, 0].tolist()
+    assert handed.fused_metrics["picks"] == 3  # positions 7, 8, 9
 
 
 def test_steps_it_cannot_take_run_the_plan_with_the_reason(
@@ -328,12 +372,13 @@ def test_the_cli_runs_it_on_request_and_reports_it(
     assert code == 0, err
     plan = json.loads(out)
     assert plan["metrics"]["fused"] == {"mode": "off", "matched": False, "steps": 0,
-                                        "reason": "decode.fused = off"}  # fmt: skip
+                                        "picks": 0, "reason": "decode.fused = off"}  # fmt: skip
     code, out, err = run("--set", "decode.fused=on")
     assert code == 0, err
     fused = json.loads(out)
     assert fused["tokens"] == plan["tokens"]
     assert fused["metrics"]["fused"]["steps"] == 11  # every decode step (the first: prefill)
+    assert fused["metrics"]["fused"]["picks"] == 0  # min-new-tokens masks EOS: picked outside
     assert fused["metrics"]["capture"]["captures"] == 1
     code, _, err = run("--set", "decode.fused=always")
     assert code != 0 and "decode.fused" in err and "auto" in err
