@@ -209,9 +209,11 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
     head = dev.to_device(table, stream=s)
     inv_freq = _inv_freq(THETA, 64)
     cap = 40
-    # chunk sizes change no bit; another warp count splits long columns' sums otherwise
+    # chunk sizes and how blocks poll change no bit; another warp count splits long columns'
+    # sums otherwise
     tunings = (StackTuning(), StackTuning(chunk=2 * default_chunk(shape)),
-               StackTuning(min_cols=1), StackTuning(warps=11))  # fmt: skip
+               StackTuning(min_cols=1), StackTuning(warps=11), StackTuning(poll=-1),
+               StackTuning(poll=50))  # fmt: skip
     steps = [
         StackStep(dev, shape, layers, final, inv_freq, head, cap, stream=s, tuning=tuning)
         for tuning in tunings
@@ -230,9 +232,9 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
             dev.fill(io.logits, float("nan"), stream=s)
             st.launch(stream=s, io=io)
             logits.append(io.logits.to_host(stream=s).copy())
-        for i in (1, 2):
+        for i in (1, 2, 4, 5):
             assert np.array_equal(logits[0], logits[i]), f"tuning {i} disagrees at position {t}"
-        assert np.array_equal(logits[0], logits[4]), f"the two KV layouts disagree at {t}"
+        assert np.array_equal(logits[0], logits[6]), f"the two KV layouts disagree at {t}"
         x = table[token].astype(np.float32)
         want = reference_step(shape, ref_layers, final, inv_freq, x, t, kc, vc)
         for st in (steps[3], steps[0]):  # 11 warps, then the default
