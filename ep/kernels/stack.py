@@ -316,14 +316,15 @@ static __device__ __forceinline__ void gather(const u32* src, u32 tag, float* xs
 #pragma unroll
         for (int j = 0; j < PER; ++j)
             if (tid + j * CT < U) pending |= 1u << j;
-        while (true) {
+        while (true) {  // a round's loads all issued before any of them is checked
 #pragma unroll
-            for (int j = 0; j < PER; ++j) {
-                if (pending & (1u << j)) {
-                    v[j] = ld_tagged(src + 4 * (tid + j * CT));
-                    if (has_tag(v[j], tag)) pending &= ~(1u << j);
-                }
-            }
+            for (int j = 0; j < PER; ++j)
+                if (pending & (1u << j)) v[j] = ld_tagged(src + 4 * (tid + j * CT));
+            u32 still = 0u;
+#pragma unroll
+            for (int j = 0; j < PER; ++j)
+                if ((pending & (1u << j)) && !has_tag(v[j], tag)) still |= 1u << j;
+            pending = still;
             if (pending == 0u) break;
             if (POLL > 0) __nanosleep((unsigned)POLL);
         }
