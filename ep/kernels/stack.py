@@ -53,6 +53,7 @@ from ep.kernels._common import PRELUDE, SILU_MUL, KernelFault, set_fault
 from ep.kernels.sample import ARGMAX_KEYS
 
 __all__ = [
+    "PICK_MASK",
     "StackIO",
     "StackShape",
     "StackStep",
@@ -72,6 +73,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 CW = 8  # consumer warps; one more warp produces
 SLOTS = 32  # the most chunks in flight (mbarrier pairs)
 SCORES = 2048  # positions one attention pass holds in shared memory: the largest capacity
+PICK_MASK = 32  # the most ids a picking launch masks
 SHARED = 232448  # the most shared memory a block may have on sm_90 (227 KiB)
 TRACE_STAMPS = 32  # global-timer stamps a layer and block (tools/bench_stack.py --trace)
 
@@ -222,6 +224,7 @@ def _cuda(shape: StackShape, blocks: int, t: StackTuning, ring: int) -> str:
         "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": t.chunk,
         "MIN_COLS": t.min_cols, "SLOTS": SLOTS, "RING": ring, "CW": t.warps, "SCORES": SCORES,
         "RESMAX": _resmax(shape, blocks, t), "TRACE_STAMPS": TRACE_STAMPS, "POLL": t.poll,
+        "PICK_MASK": PICK_MASK,
     }  # fmt: skip
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     scale = float(np.float32(shape.attention_scale))
@@ -659,12 +662,12 @@ static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv
     }
 }
 
-// *picking != 0: the greedy pick (np.argmax: the largest logit, the lowest index on ties, NaN
-// first). Each block's best (logit, index) key (``best``: one a consumer warp) meets the
-// others' in pick[0] by atomicMax, pick[1] counts arrivals, and the last block to arrive (every
-// block has read ids and pos by then) writes the id as the next input and as tokens[pos + 1],
-// moves the position on, and zeroes pick for the next launch. Out of line: the layer loop
-// keeps its registers.
+// picking[0] = 1 + m: the greedy pick (np.argmax: the largest logit, the lowest index on ties,
+// NaN first), the ids picking[1 .. m] set to -inf first (as the loop's mask). Each block's best
+// (logit, index) key (``best``: one a consumer warp) meets the others' in pick[0] by atomicMax,
+// pick[1] counts arrivals, and the last block to arrive (every block has read ids and pos by
+// then) writes the id as the next input and as tokens[pos + 1], moves the position on, and
+// zeroes pick for the next launch. Out of line: the layer loop keeps its registers.
 static __device__ __noinline__ void pick_token(const u64* best, u64* pick, i64* tokens, i64* ids,
                                                i64* posp, int pos) {
     u64 key = best[0];
@@ -706,7 +709,8 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     u64* trace = reinterpret_cast<u64*>(trace_at);
     __shared__ u32 s_epoch;
     __shared__ int s_pos;
-    __shared__ bool s_picking;
+    __shared__ int s_masked;  // picking: the ids masked (-1: no pick)
+    __shared__ i64 s_mask[PICK_MASK];
     __shared__ u64 s_kv[2 * L];  // the caches' addresses, read once (not a load a layer)
     __shared__ u64 s_best[CW];
 
@@ -718,7 +722,9 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         s_epoch = *reinterpret_cast<volatile u32*>(epoch_at);
         const i64 p = *posp;
         s_pos = p < 0 || p >= cap || p >= SCORES ? -1 : (int)p;
-        s_picking = *picking != 0;
+        const i64 pk = picking[0];
+        s_masked = pk < 1 ? -1 : (int)min(pk - 1, (i64)PICK_MASK);
+        for (int k = 0; k < s_masked; ++k) s_mask[k] = picking[1 + k];
         if (s_pos < 0 && b == 0) set_fault(status, 4u);  // KernelFault.KV_POSITION
     }
     __syncthreads();
@@ -877,7 +883,9 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         project<H, 1>(n, xs, res, part, ring, warp, lane, tid);
         cbar();
         for (int c = tid; c < n; c += CT) {
-            const float v = rbf(res[c]);
+            float v = rbf(res[c]);
+            for (int k = 0; k < s_masked; ++k)
+                if (s_mask[k] == c0 + c) v = __int_as_float(0xff800000u);  // -inf
             logits[c0 + c] = v;
             const u64 k = composite(v, c0 + c);
             best = k > best ? k : best;
@@ -888,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     // block's last store. Kept modulo 65535, so tags run on without a jump: the tag after
     // epoch 65534's last layer is epoch 0's first.
     if (b == 0 && tid == 0) *epoch_at = (s_epoch + 1u) % 65535u;
-    if (!s_picking) return;
+    if (s_masked < 0) return;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         const u64 other = __shfl_xor_sync(0xffffffffu, best, o);
@@ -914,8 +922,9 @@ def _float_bytes(shape: StackShape, blocks: int, t: StackTuning) -> int:
 
 def ring_bytes(shape: StackShape, blocks: int, t: StackTuning) -> int:
     """The weight ring: the shared memory left, in 16-byte units (after the static shared
-    memory: the caches' 2 L addresses, the epoch and position, room for the compiler's own)."""
-    static = 16 * shape.layers + 256
+    memory: the caches' 2 L addresses, the masked ids, the warps' best keys, the epoch and
+    position, room for the compiler's own)."""
+    static = 16 * shape.layers + 8 * PICK_MASK + 8 * t.warps + 256
     return (SHARED - 1024 - _float_bytes(shape, blocks, t) - static) // 16 * 16
 
 
@@ -1010,7 +1019,9 @@ def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
         table = head[: int(vocab) * h].reshape(int(vocab), h).astype(np.float32)
         logits[: int(vocab)] = _bf(table @ out)
         epoch[0] = (int(epoch[0]) + 1) % 65535
-        if picking[0]:  # the greedy pick and the loop's advance (np.argmax's ties, as the kernel)
+        if picking[0] > 0:  # the greedy pick and the loop's advance (np.argmax's, as the kernel)
+            masked = picking[1 : 1 + min(int(picking[0]) - 1, PICK_MASK)]
+            logits[masked[(masked >= 0) & (masked < int(vocab))]] = -np.inf
             token = int(np.argmax(logits[: int(vocab)]))
             tokens[p + 1], ids[0], pos[0] = token, token, p + 1
 
@@ -1096,11 +1107,12 @@ class StackIO:
     layer's V cache, where element (kv head, t, d) is at kv head * ``head_stride`` + t *
     ``token_stride`` + d, for t < ``capacity``.
 
-    ``tokens`` (int64 [SCORES + 1]) and ``picking`` (int64 [1]; both or neither): while
-    ``picking[0]`` is not 0 (a value on the device, so one captured launch serves both ways),
-    the launch also takes the greedy pick, a device token loop's step: the argmax of its logits
-    (``np.argmax``'s: the lowest index on ties) is the next step's input (``ids`` <- the id,
-    ``pos`` + 1) and the token at that position (``tokens[pos + 1]``)."""
+    ``tokens`` (int64 [SCORES + 1]) and ``picking`` (int64 [1 + PICK_MASK]; both or neither):
+    while ``picking[0]`` = 1 + m (values on the device, so one captured launch serves every
+    way; 0: no pick), the launch also takes the greedy pick, a device token loop's step: its
+    logits at the m ids ``picking[1 .. m]`` set to -inf (a mask, as ``native_mask_ids``), their
+    argmax (``np.argmax``'s: the lowest index on ties) is the next step's input (``ids`` <- the
+    id, ``pos`` + 1) and the token at that position (``tokens[pos + 1]``)."""
 
     ids: Buffer
     pos: Buffer
@@ -1245,11 +1257,17 @@ class StackStep:
         elif (
             tokens is not None
             and picking is not None
-            and (tokens.dtype != np.int64 or tokens.size < SCORES + 1 or picking.dtype != np.int64)
+            and (
+                tokens.dtype != np.int64
+                or tokens.size < SCORES + 1
+                or picking.dtype != np.int64
+                or picking.size < 1 + PICK_MASK
+            )
         ):
-            problems.append(f"tokens of {tokens.size} {tokens.dtype} and picking {picking.dtype}; "
-                            f"expected int64 [{SCORES + 1}] (one a position the kernel takes, "
-                            "and the next) and int64 [1]")  # fmt: skip
+            problems.append(f"tokens of {tokens.size} {tokens.dtype} and picking of "
+                            f"{picking.size} {picking.dtype}; expected int64 [{SCORES + 1}] (one a "
+                            f"position the kernel takes, and the next) and int64 "
+                            f"[{1 + PICK_MASK}] (the flag and the masked ids)")  # fmt: skip
         if problems:
             raise KernelArgumentError("persistent stack: " + "; ".join(problems))
 

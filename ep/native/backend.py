@@ -30,8 +30,9 @@ never under the plan's signature. Other steps (another batch, a paged layout, a 
 the kernel's attention) run the plan, and ``fused_metrics`` says why. The kernel rounds where the
 graph rounds but sums in its own order: its logits are not the plan's bits, so batch rows and
 solo runs agree bitwise only with it off (DESIGN.md §6), which is why it is opt-in. In a greedy
-device loop, the fused step takes the pick itself (the argmax into the history, the next id and
-position): a step without a mask is one launch.
+device loop, the fused step takes the pick itself (the mask's ids set to -inf, up to
+`ep.kernels.stack.PICK_MASK` of them, the argmax into the history, the next id and position):
+a loop step is one launch.
 
 Weights: by default every initializer is resident (`ResidentWeights`). With ``offload=`` (an
 offload policy), ``budget=`` and ``piece=`` (``offload.piece``: weights larger than this are held
@@ -502,12 +503,15 @@ class NativeBackend:
         self._check_faults()
         return np.asarray(ids).reshape(-1)[: self._real].astype(np.int64, copy=True)
 
-    def _decode_once(self, plan: StepPlan, ahead: int, pick: bool = False) -> bool:
+    def _decode_once(
+        self, plan: StepPlan, ahead: int, pick: bool = False, mask: np.ndarray | None = None
+    ) -> bool:
         """One decode step of ``plan`` (its ids and positions already on the device), the
         cache made ready for the token at ``lens + ahead`` of every real row first. With
-        ``pick`` (a greedy device loop's step), a fused step also takes the pick: the argmax as
-        the next input id and into the fused kernel's ``tokens``, the position moved on; True
-        when it did (else the caller picks)."""
+        ``pick`` (a greedy device loop's step; ``mask``: ids it may not pick, at most
+        `ep.kernels.stack.PICK_MASK`), a fused step also takes the pick: the argmax as the next
+        input id and into the fused kernel's ``tokens``, the position moved on; True when it
+        did (else the caller picks)."""
         kv = self._kv
         rows = plan.batch
         epoch = kv.epoch
@@ -519,7 +523,7 @@ class NativeBackend:
             kv.prepare(lens, stops)
         fused = self._fused_for(rows, int(lens.max()))
         if fused is not None:
-            fused.set_picking(pick)
+            fused.set_picking(pick, () if mask is None else mask)
             self.fused_steps += 1
             self.fused_picks += pick
         bound = self._bind(plan, fused)
@@ -636,10 +640,13 @@ class NativeBackend:
         loop = self._loop_for(count, masked, drawn, draws)
         self._prefilled = None
         self._upload_step(plan, tokens)
+        from ep.kernels.stack import PICK_MASK
+
         picked: list[int] = []  # the steps the fused kernel picked, a run at a time
         for j in range(count):
             masking = masked.size if j < mask_steps else 0
-            if self._decode_once(plan, j, pick=drawn is None and not masking):
+            pick = drawn is None and masking <= PICK_MASK
+            if self._decode_once(plan, j, pick, masked[:masking]):
                 picked.append(j)
                 continue
             self._picked_to_history(picked, loop)

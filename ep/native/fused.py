@@ -346,7 +346,7 @@ class FusedDecode:
         self, device: Device, program: Program, match: StackMatch, weights: Any, *,
         stream: Stream, status: Buffer,
     ) -> None:  # fmt: skip
-        from ep.kernels.stack import SCORES, StackStep
+        from ep.kernels.stack import PICK_MASK, SCORES, StackStep
         from ep.ops.rotary import _inv_freq
 
         arrays = program.arrays
@@ -378,11 +378,12 @@ class FusedDecode:
         )  # fmt: skip
         self._kv = device.alloc(2 * match.shape.layers, np.uint64, stream=stream, name="fused.kv")
         self._kv_for: tuple[int, ...] = ()
-        # a picking launch's token for position p + 1 lands in tokens[p + 1]
+        # a picking launch's token for position p + 1 lands in tokens[p + 1]; _picking holds
+        # whether launches pick and the ids they mask (StackIO), as set_picking last wrote it
         self.tokens = device.alloc(SCORES + 1, np.int64, stream=stream, name="fused.tokens")
-        self._picking = device.alloc(1, np.int64, stream=stream, name="fused.picking")
+        self._picking = device.alloc(1 + PICK_MASK, np.int64, stream=stream, name="fused.picking")
         device.fill(self._picking, 0, stream=stream)
-        self.picking = False
+        self.picking: tuple[int, ...] = (0,)
 
     def io(self, plan: Any, binding: KVBinding) -> StackIO:
         """The `StackIO` of ``plan``'s buffers and ``binding``'s cache (its addresses written to
@@ -412,12 +413,15 @@ class FusedDecode:
 
         return fused_step
 
-    def set_picking(self, on: bool) -> None:
-        """Whether the next launches take the greedy pick (a flag on the device, written only
-        when it changes: the launch, and its graph, stay the same either way)."""
-        if on != self.picking:
-            self._picking.copy_from_host(np.array([int(on)], np.int64), stream=self.stream)
-            self.picking = on
+    def set_picking(self, on: bool, mask: np.ndarray | tuple[int, ...] = ()) -> None:
+        """Whether the next launches take the greedy pick, with the ids in ``mask`` (at most
+        `ep.kernels.stack.PICK_MASK`) masked: values on the device, written only when they
+        change (the launch, and its graph, stay the same every way)."""
+        now = (1 + len(mask), *(int(i) for i in mask)) if on else (0,)
+        if now != self.picking:
+            self._picking.view(shape=len(now)).copy_from_host(np.array(now, np.int64),
+                                                              stream=self.stream)  # fmt: skip
+            self.picking = now
 
     def signature(self) -> tuple[str, int, tuple[Any, ...], str]:
         """A binding-signature entry telling the fused step's graphs from the plan's."""

@@ -5,6 +5,7 @@ NumPy twin: the host side of `StackStep`) and on an H200-class GPU (the kernel).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -17,6 +18,7 @@ from ep.device._kernels import compile_kernel
 from ep.errors import KernelArgumentError
 from ep.kernels.stack import (
     CW,
+    PICK_MASK,
     SCORES,
     StackIO,
     StackShape,
@@ -274,10 +276,11 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
     "kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=["cpu", "cuda"]
 )
 def test_a_picking_launch_takes_the_greedy_pick(kind: str, rng: np.random.Generator) -> None:
-    """A device-loop step in one launch: while ``picking`` holds 1, the argmax of its logits
-    (every logit twice, at 2i and 2i + 1, often in two blocks: the lower index wins, as
-    np.argmax's) becomes the next id and tokens[position + 1], the position moves on; eager and
-    captured alike, and the same captured launch does nothing of it while ``picking`` holds 0."""
+    """A device-loop step in one launch: while ``picking`` holds 1 + m, the argmax of its
+    logits with the m ids after the flag masked (every logit twice, at 2i and 2i + 1, often in
+    two blocks: the lower index wins, as np.argmax's; masked, the other one) becomes the next id
+    and tokens[position + 1], the position moves on; eager and captured alike, and the same
+    captured launch does nothing of it while ``picking`` holds 0."""
     import dataclasses
 
     dev = stack_device(kind)
@@ -289,34 +292,46 @@ def test_a_picking_launch_takes_the_greedy_pick(kind: str, rng: np.random.Genera
     head = dev.to_device(table, stream=s)
     st = StackStep(dev, shape, layers, final, _inv_freq(THETA, 64), head, 16, stream=s)
     assert st.io is not None
-    tokens, picking = dev.alloc(SCORES + 1, np.int64, stream=s), dev.alloc(1, np.int64, stream=s)
+    tokens = dev.alloc(SCORES + 1, np.int64, stream=s)
+    picking = dev.alloc(1 + PICK_MASK, np.int64, stream=s)
     dev.fill(tokens, -1, stream=s)
-    picking.copy_from_host(np.array([1]), stream=s)
+    dev.fill(picking, 0, stream=s)
     io = dataclasses.replace(st.io, tokens=tokens, picking=picking)
     st.check_io(io)
     io.ids.copy_from_host(np.array([3]), stream=s)
-    io.pos.copy_from_host(np.array([0]), stream=s)
 
-    def check(t: int) -> None:
+    def step(t: int, mask: list[int], launch: Callable[[], None]) -> int:
+        """Position t with ``mask``: the pick checked against np.argmax of the logits."""
+        io.pos.copy_from_host(np.array([t]), stream=s)
+        flag = np.array([1 + len(mask), *mask])
+        picking.view(shape=flag.size).copy_from_host(flag, stream=s)
+        launch()
         logits = io.logits.to_host(stream=s)
+        assert all(logits[m] == -np.inf for m in mask if 0 <= m < logits.size)  # as mask_ids
         token = int(np.argmax(logits))
-        assert token % 2 == 0 and logits[token] == logits[token + 1]
+        assert (token ^ 1) in mask or logits[token] == logits[token ^ 1]  # a row and its twin
+        assert token % 2 == (1 if token - 1 in mask else 0)  # the lower of the two unless masked
         assert int(tokens.to_host(stream=s)[t + 1]) == token
         assert int(io.ids.to_host(stream=s)[0]) == token
         assert int(io.pos.to_host(stream=s)[0]) == t + 1
+        return token
 
-    for t in range(2):
-        st.launch(stream=s, io=io)
-        check(t)
+    eager = lambda: st.launch(stream=s, io=io)  # noqa: E731
+    first = step(0, [], eager)
+    assert step(0, [first], eager) == first + 1  # the best masked: its twin, one higher
+    assert step(0, [first, first + 1], eager) not in (first, first + 1)
     with dev.capture(stream=s) as captured:  # records the launch, runs nothing
         st.launch(stream=s, io=io)
-    for t in (2, 3, 4):
-        captured.graph.launch(stream=s)
-        check(t)
-    picking.copy_from_host(np.array([0]), stream=s)
-    captured.graph.launch(stream=s)  # position 5 again, nothing picked
+    replay = lambda: captured.graph.launch(stream=s)  # noqa: E731
+    for t in (1, 2):
+        best = step(t, [], replay)
+        assert step(t, [best, 1000, -5], replay) == best + 1  # ids outside the table: no effect
+    picking.view(shape=1).copy_from_host(np.array([0]), stream=s)
+    io.pos.copy_from_host(np.array([5]), stream=s)
+    captured.graph.launch(stream=s)  # position 5, nothing picked
     assert int(io.pos.to_host(stream=s)[0]) == 5
     assert int(tokens.to_host(stream=s)[6]) == -1
+    assert np.isfinite(io.logits.to_host(stream=s)).all()  # and nothing masked
     assert int(st.status.to_host(stream=s)[0]) == 0
     captured.graph.close()
     with pytest.raises(KernelArgumentError, match="a pick needs both tokens and picking"):

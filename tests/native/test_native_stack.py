@@ -160,27 +160,32 @@ def test_the_fused_step_takes_the_greedy_loops_pick(
     models: Callable[..., DecoderModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In a greedy device loop the kernel picks (one launch a step): the plan's tokens over
-    several calls, one with a masked first step (picked outside the kernel by the same
-    captured launch, its picking flag off) and a longer one (a bigger history); one graph and
-    no invalidation; a draw, or a step handed to the plan mid-loop, picks outside it."""
+    several calls, one masking its first step's best id (the kernel masks it: the pick
+    changes), one masking more ids than the kernel takes (picked outside it, by the same
+    captured launch with its picking flag off) and a longer one (a bigger history); one graph
+    and no invalidation; a draw, or a step handed to the plan mid-loop, picks outside it."""
     import ep.kernels.stack
     from ep.sampling import SamplingParams
 
     model = models()
+    many = list(range(3, 3 + ep.kernels.stack.PICK_MASK + 1))
 
     def run(b: NativeBackend) -> list[int]:
         b.prefill([PROMPT])
         first = b.first_tokens()
-        masked = b.steps(first, 3, mask=[int(b.steps(first, 1)[0, 0])], mask_steps=1)
-        again = b.steps(masked[-1], 3)
+        best = int(b.steps(first, 1)[0, 0])
+        masked = b.steps(first, 3, mask=[best], mask_steps=1)
+        assert masked[0, 0] != best
+        wide = b.steps(masked[-1], 2, mask=many, mask_steps=1)
+        again = b.steps(wide[-1], 3)
         longer = b.steps(again[-1], 6)  # 6 slots: the loop's history grows
-        return [*masked[:, 0], *again[:, 0], *longer[:, 0]]
+        return [*masked[:, 0], *wide[:, 0], *again[:, 0], *longer[:, 0]]
 
     plan = run(backend(model, "off"))
     fused = backend(model, "on")
     assert run(fused) == plan
-    # 1 (the masked id's), then 3 (1 masked) + 3 + 6
-    assert fused.fused_metrics["steps"] == 13 and fused.fused_metrics["picks"] == 12
+    # 1 + 3 + 2 + 3 + 6 steps, the first of the 2 masking more ids than the kernel takes
+    assert fused.fused_metrics["steps"] == 15 and fused.fused_metrics["picks"] == 14
     m = fused.capture_metrics
     assert m.captures == 1 and m.invalidations == 0 and m.fallbacks == 0
 
@@ -378,7 +383,7 @@ def test_the_cli_runs_it_on_request_and_reports_it(
     fused = json.loads(out)
     assert fused["tokens"] == plan["tokens"]
     assert fused["metrics"]["fused"]["steps"] == 11  # every decode step (the first: prefill)
-    assert fused["metrics"]["fused"]["picks"] == 0  # min-new-tokens masks EOS: picked outside
+    assert fused["metrics"]["fused"]["picks"] == 11  # EOS masked (min-new-tokens) in the kernel
     assert fused["metrics"]["capture"]["captures"] == 1
     code, _, err = run("--set", "decode.fused=always")
     assert code != 0 and "decode.fused" in err and "auto" in err
