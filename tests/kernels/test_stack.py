@@ -20,6 +20,7 @@ from ep.kernels.stack import (
     CW,
     PICK_MASK,
     SCORES,
+    SHARED,
     StackIO,
     StackShape,
     StackStep,
@@ -28,6 +29,7 @@ from ep.kernels.stack import (
     default_chunk,
     pack_stack,
     reference_step,
+    shared_bytes,
     stack_kernel,
     unpack_stack,
 )
@@ -103,9 +105,34 @@ def test_a_block_stream_is_its_columns_in_use_order(rng: np.random.Generator) ->
     ids=["qwen0.5b", "small", "qwen0.5b-w11-m1"],
 )
 def test_the_kernel_compiles_for_sm_90a(shape: StackShape, tuning: StackTuning) -> None:
-    # NVRTC needs no GPU, so CI compiles the kernel the H200 runs
+    # NVRTC needs no GPU, so CI compiles the kernel the H200 runs. Its static shared memory and
+    # the dynamic part must fit a block together, or no block launches (a 256-byte static array
+    # once took the kernel 128 bytes over): the cubin's .nv.shared section holds the static
+    # part and the 1 KB an SM keeps for itself per block (on the H200: 1536 + 231808 bytes
+    # launched, 1792 + 231808 did not; 228 KB in all)
     compiled = compile_kernel(stack_kernel(shape, 132, tuning), "sm_90", use_cache=False)
-    assert compiled.cubin
+    static = elf_section_size(compiled.cubin, ".nv.shared.ep_stack_bf16")
+    dynamic = shared_bytes(shape, 132, tuning.resolved(shape))
+    assert static > 1024 and static + dynamic <= SHARED + 1024
+
+
+def elf_section_size(elf: bytes, name: str) -> int:
+    """The size of section ``name`` of a 64-bit little-endian ELF file (a cubin)."""
+    import struct
+
+    (shoff,) = struct.unpack_from("<Q", elf, 0x28)
+    entsize, count, names = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def header(i: int) -> tuple[int, ...]:
+        return struct.unpack_from("<IIQQQQIIQQ", elf, shoff + i * entsize)
+
+    strtab = header(names)[4]
+    for i in range(count):
+        h = header(i)
+        end = elf.index(b"\0", strtab + h[0])
+        if elf[strtab + h[0] : end].decode() == name:
+            return int(h[5])
+    raise AssertionError(f"no section {name} in the cubin")
 
 
 def test_unsupported_shapes_and_sizes_are_refused_with_the_reason() -> None:
