@@ -615,6 +615,8 @@ class NativeBackend:
         Returns the ids [count, batch] (int64), read back once at the end. Stops are the
         caller's business: every row runs all ``count`` steps.
         """
+        from ep.kernels.stack import PICK_MASK
+
         if not self._decoding:
             raise GenerationError("steps() before prefill(): run a prefill first")
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
@@ -640,8 +642,6 @@ class NativeBackend:
         loop = self._loop_for(count, masked, drawn, draws)
         self._prefilled = None
         self._upload_step(plan, tokens)
-        from ep.kernels.stack import PICK_MASK
-
         picked: list[int] = []  # the steps the fused kernel picked, a run at a time
         for j in range(count):
             masking = masked.size if j < mask_steps else 0
