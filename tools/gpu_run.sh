@@ -115,9 +115,20 @@ if want ncu-stack; then  # one launch (a prompt step), its stalls by source line
 import sys
 
 import ep.kernels.stack as stack
+from ep.device._kernels import compiled_source
 
-options = stack.CompileOptions
+options, kernel = stack.CompileOptions, stack.stack_kernel
 stack.CompileOptions = lambda **kw: options(**kw, lineinfo=True)  # source lines in the report
+
+
+def with_source(*args, **kwargs):  # the source as a file where the line info points
+    source = kernel(*args, **kwargs)
+    with open(source.name, "w") as f:
+        f.write(compiled_source(source, "sm_90a"))
+    return source
+
+
+stack.stack_kernel = with_source
 sys.path.insert(0, "tools")
 import bench_stack  # noqa: E402
 
@@ -128,7 +139,10 @@ PY
         -o "$out/ncu-stack" -f python3 "$out/ncu_stack.py"
     ncu --import "$out/ncu-stack.ncu-rep" --page source --csv --print-source cuda \
         >"$out/ncu-stack-source.csv" 2>&1 || true
-    ncu --import "$out/ncu-stack.ncu-rep" --page details >"$out/ncu-stack-details.txt" 2>&1 || true
+    ncu --import "$out/ncu-stack.ncu-rep" --page details --print-details all \
+        >"$out/ncu-stack-details.txt" 2>&1 || true
+    ncu --import "$out/ncu-stack.ncu-rep" --page raw --csv >"$out/ncu-stack-raw.csv" 2>&1 || true
+    mv ep_stack_bf16_* "$out/" 2>/dev/null || true
     tail -40 "$out/ncu-stack-details.txt"
 fi
 if want large && [ "${LARGE:-1}" = 1 ]; then  # the 1.5B shape: does not fit a small budget
