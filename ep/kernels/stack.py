@@ -24,10 +24,10 @@ norm and a tied or untied head in one cooperative launch of one block an SM:
 - Every block normalises the residual row for itself (hidden elements from L2); attention runs
   on one block a query head, which loads the cached positions' keys and values before its
   inputs arrive; the head's logits are stored as bf16 values (float32).
-- With a history to write (`StackIO`), the launch also takes the greedy pick of a device token
-  loop: each block's best (logit, index) key meets the others' by atomicMax, and the last block
-  to arrive writes the id as the next input, into the history, and moves the position on: a
-  loop step is one launch.
+- With ``tokens`` and a picking flag on the device (`StackIO`), the launch also takes the
+  greedy pick of a device token loop (up to `PICK_MASK` ids masked first): each block's best
+  (logit, index) key meets the others' by atomicMax, and the last block to arrive writes the id
+  as the next input and into ``tokens``, and moves the position on: a loop step is one launch.
 
 Values are rounded to bf16 where the op-per-launch graph rounds them (each op's output), so the
 step is that graph's up to summation order: `reference_step` is the NumPy form (float32 sums),
