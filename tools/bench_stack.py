@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                             (f"loop {tag}: kernel picking", True)):  # fmt: skip
             io = dataclasses.replace(st.io, pos=dev.alloc(1, np.int64, stream=stream))
             if picks:
-                tokens = dev.alloc(SCORES + 1, np.int64, stream=stream)
-                io = dataclasses.replace(io, tokens=tokens, picking=picking)
+                picked = dev.alloc(SCORES + 1, np.int64, stream=stream)
+                io = dataclasses.replace(io, tokens=picked, picking=picking)
             with dev.capture(stream=stream) as cap:
                 st.launch(stream=stream, io=io)
                 if not picks:
