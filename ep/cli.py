@@ -312,6 +312,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             piece=config.piece_bytes,
             sources=sources,
             sync_every=config["decode.sync_every"],
+            run_ahead=config["decode.run_ahead"],
             fused=config["decode.fused"],
         )
     generator = Generator(

@@ -166,6 +166,11 @@ CORE_OPTIONS: dict[str, Option] = {
     "decode.sync_every": Option(
         "sync_every", int, 1, "decode steps between host synchronisations", check=_positive
     ),
+    "decode.run_ahead": Option(
+        "run_ahead", bool, True,
+        "native backend: launch the device loop's next k steps before reading the last k (the "
+        "device never waits for the host; after a stop, up to k steps are surplus)",
+    ),
     "decode.fused": Option(
         "fused", str, "off",
         "native backend: batch-1 decode steps as one persistent kernel (on, or auto: CUDA "

@@ -82,7 +82,8 @@ SPEC_PRESETS = {"qwen2.5-0.5b": QWEN_SPEC, "qwen2.5-1.5b": QWEN15_SPEC}
 CPU_MODES = ("ort", "native-never", "native-warmup")
 CUDA_MODES = ("native-capture", "native-loop", "native-fused", "native-fused-loop", "native-eager",
               "hf-eager")  # fmt: skip
-FUSED_MODES = ("native-fused", "native-fused-loop")  # decode.fused = on: batch 1 only
+FUSED_MODES = ("native-fused", "native-fused-loop", "native-fused-loop-sync")  # batch 1 only
+SYNC_MODES = ("native-loop-sync", "native-fused-loop-sync")  # --loop-sync: run_ahead off
 # the modes the targets are read from, and their keys' tags
 TARGET_MODES = (("native-capture", ""), ("native-loop", "_loop"), ("native-fused", "_fused"),
                 ("native-fused-loop", "_fused_loop"))  # fmt: skip
@@ -122,6 +123,7 @@ class Settings:
     spec: str
     run_on: str
     loop: int = 16
+    loop_sync: bool = False
 
 
 @dataclass
@@ -247,11 +249,14 @@ def decode_backend(
 
 @dataclass
 class LoopRunner:
-    """``native-loop``: a native backend decoding with its device token loop, ``steps(tokens,
-    k)``: k greedy steps (stop ids masked, as `greedy` does) with one host synchronisation."""
+    """``native-loop``: a native backend decoding with its device token loop in runs of k greedy
+    steps (stop ids masked, as `greedy` does), one host synchronisation a run; with ``ahead``
+    (the generator's ``decode.run_ahead``, default) the next run is launched before the host
+    waits for this one, so the device never waits for the host."""
 
     backend: Any
     k: int
+    ahead: bool = True
 
     def close(self) -> None:
         self.backend.close()
@@ -265,36 +270,48 @@ def decode_loop(
     run: ModeRun,
     timer: Callable[[], tuple[Any, Any]] | None = None,
 ) -> None:
-    """Like `decode_backend`, stepping ``runner.k`` steps a call; each timed call's wall clock
-    (and the device time between events around it) is spread evenly over its steps."""
+    """Like `decode_backend`, stepping ``runner.k`` steps a run; each timed run's wall clock
+    (from the last run's tokens on the host to its own) and the device time between events
+    around its launches are spread evenly over its steps."""
     backend = runner.backend
     reserve = s.prompt + s.warmup + s.steps + 1 if s.layout == "head_major" else 0
     metrics = backend.capture_metrics
     tokens = greedy(backend.prefill(prompts, reserve=reserve), banned)
-    seen: list[np.ndarray] = []
-    events = timer() if timer is not None else None
-    stream = backend.stream
-    recorded = metrics.captures
+    sizes: list[tuple[str, int]] = []  # (phase, steps) of each run
     for phase, total in (("warmup", s.warmup), ("timed", s.steps)):
-        if phase == "timed":
+        sizes += [(phase, min(runner.k, total - done)) for done in range(0, total, runner.k)]
+    stream = backend.stream
+
+    def launch(i: int, ids: np.ndarray | None) -> tuple[Any, Any]:
+        events = timer() if timer is not None else None
+        if events is not None:
+            stream.record(events[0])
+        n = sizes[i][1]
+        launched = backend.launch_steps(ids, n, mask=banned, mask_steps=n)
+        if events is not None:
+            stream.record(events[1])
+        return launched, events
+
+    seen: list[np.ndarray] = []
+    recorded = metrics.captures
+    queued = launch(0, tokens)
+    last = time.perf_counter()
+    for i, (phase, n) in enumerate(sizes):
+        if phase == "timed" and sizes[i - 1][0] == "warmup":
             recorded = metrics.captures
-        done = 0
-        while done < total:
-            n = min(runner.k, total - done)
-            t0 = time.perf_counter()
+        this, events = queued
+        if runner.ahead and i + 1 < len(sizes):
+            queued = launch(i + 1, None)  # before this run is read: its last pick is the input
+        out = backend.collect(this)
+        now = time.perf_counter()
+        if phase == "timed":
+            run.wall_ms.extend([(now - last) * 1e3 / n] * n)
             if events is not None:
-                stream.record(events[0])
-            out = backend.steps(tokens, n, mask=banned, mask_steps=n)
-            if events is not None:
-                stream.record(events[1])
-            ms = (time.perf_counter() - t0) * 1e3
-            if phase == "timed":
-                run.wall_ms.extend([ms / n] * n)
-                if events is not None:
-                    run.event_ms.extend([events[1].elapsed_ms(events[0]) / n] * n)
-            seen.extend(out)
-            tokens = out[-1]
-            done += n
+                run.event_ms.extend([events[1].elapsed_ms(events[0]) / n] * n)
+        last = now
+        seen.extend(out)
+        if not runner.ahead and i + 1 < len(sizes):
+            queued = launch(i + 1, out[-1])
     run.tokens.append(np.stack(seen, axis=1).tolist())
     fused_metrics(backend, run)
     run.capture = metrics.to_dict()
@@ -759,6 +776,7 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
             "native-fused": WarmupCapture(steps=2),
             "native-fused-loop": WarmupCapture(steps=2),
             "native-eager": NeverCapture(),
+            **({m: WarmupCapture(steps=2) for m in SYNC_MODES} if s.loop_sync else {}),
         }
         for mode, policy in policies.items():
             try:
@@ -769,8 +787,9 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
                     model, make_layout(s.layout), device=dev, capture=policy, cache_dir=s.work,
                     fused="on" if mode in FUSED_MODES else "off",
                 )  # fmt: skip
-                loop = mode.endswith("-loop")
-                runners[mode] = LoopRunner(backend, s.loop) if loop else backend
+                loop = "-loop" in mode
+                ahead = mode not in SYNC_MODES
+                runners[mode] = LoopRunner(backend, s.loop, ahead) if loop else backend
                 print(f"{mode}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
             except Exception as exc:
                 errors.add(f"build {mode}", exc)
@@ -803,6 +822,8 @@ def bench_cuda(s: Settings, errors: Errors, notes: list[str]) -> dict[str, Any]:
         return dev.create_event(timing=True), dev.create_event(timing=True)
 
     modes = [m for m in CUDA_MODES if m != "hf-eager" or "hf-eager" in runners]
+    if s.loop_sync:
+        modes[4:4] = SYNC_MODES
     if s.offload:
         modes[3:3] = [offload_mode(s, b) for b in s.budgets]
     runs = interleave(s, modes, runners, vocab, banned, errors, timer)
@@ -1006,6 +1027,11 @@ def parse_args(argv: list[str] | None) -> Settings:
     parser.add_argument(
         "--loop", type=int, default=16, help="native-loop: greedy steps per host sync (steps(k))"
     )
+    parser.add_argument(
+        "--loop-sync", action="store_true", help="also native-loop-sync and "
+        "native-fused-loop-sync: the loops with decode.run_ahead off (each run launched after "
+        "the host read the last)",
+    )  # fmt: skip
     parser.add_argument("--offload", default="", help="an offload policy: adds native-offload")
     parser.add_argument(
         "--budget", "--budgets", default="50%",
@@ -1063,6 +1089,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         spec=SPEC_PRESETS.get(a.spec.strip().lower(), a.spec),
         run_on=a.run_on or a.device,
         loop=a.loop,
+        loop_sync=a.loop_sync,
     )
 
 

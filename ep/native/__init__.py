@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ep.native.backend import NativeBackend, as_ep_model
+from ep.native.backend import LoopRun, NativeBackend, as_ep_model
 from ep.native.capture import CaptureManager, CaptureMetrics
 from ep.native.kv import DeviceKVCache
 from ep.native.plan import KVBinding, StepPlan
@@ -14,6 +14,7 @@ __all__ = [
     "CaptureMetrics",
     "DeviceKVCache",
     "KVBinding",
+    "LoopRun",
     "NativeBackend",
     "Program",
     "ResidentWeights",

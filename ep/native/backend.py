@@ -17,6 +17,11 @@ the next input ids, and ``native_advance`` (positions + 1, the id into a [k, bat
 then one read of the history. The generator applies stops to the k
 tokens and drops those past a stop. The KV cache is made ready (grown, paged) step by step exactly
 as `step` does, so each step runs at the capacity, and through the graph, that k = 1 would use.
+`steps` is `collect` (wait for a run, read its ids) of `launch_steps` (queue a run): with
+``run_ahead`` (``decode.run_ahead``, default on) the generator launches the next run, continuing
+from the last one's pick on the device, before it waits for the last one, so the device never
+idles while the host reads tokens and checks stops; a stop makes that run surplus (up to k steps
+of device time), and the next prefill discards it (``discarded_steps``).
 
 Padding (``buckets``): a capture policy with ``pad_to(batch)`` makes prefill and every decode step
 run at that size, the real rows first and padding rows (pad id, position -1: nothing written or
@@ -88,7 +93,7 @@ from ep.seams import BindingSignature, CapturePolicy, KVLayout, OffloadPolicy, S
 # Rotary's cos/sin tables are derived constants read two at a time.
 _EXECUTOR_TABLES = frozenset({"Rotary"})
 
-__all__ = ["NativeBackend", "as_ep_model"]
+__all__ = ["LoopRun", "NativeBackend", "as_ep_model"]
 
 
 def as_ep_model(model: DecoderModel, cache_dir: str | Path | None = None) -> DecoderModel:
@@ -128,6 +133,7 @@ class NativeBackend:
         sync_every: int = 1,
         device_picks: bool = True,
         fused: str = "off",
+        run_ahead: bool = True,
     ) -> None:
         if fused not in FUSED_MODES:
             raise ConfigError(
@@ -138,6 +144,11 @@ class NativeBackend:
             raise ConfigError(
                 f"sync_every={sync_every!r}; expected an integer >= 1 (decode steps between host "
                 "synchronisations; set decode.sync_every)"
+            )
+        if not isinstance(run_ahead, bool):
+            raise ConfigError(
+                f"run_ahead={run_ahead!r}; expected True (the generator launches the device "
+                "loop's next k steps before it reads the last k) or False (set decode.run_ahead)"
             )
         if not isinstance(device_picks, bool):
             raise ConfigError(
@@ -200,11 +211,17 @@ class NativeBackend:
         self._pinned_logits: dict[tuple[int, ...], PinnedBuffer] = {}
         self._last_logits: dict[tuple[int, ...], Any] = {}  # per shape: a prefill's last rows
         self._prefilled: Any = None  # the last prefill's last rows, until the next step
-        self.decode_syncs = 0  # host synchronisations of decode steps (one per step or steps)
+        self.decode_syncs = 0  # host synchronisations of decode steps (a step, or a collect)
         self.sync_every = sync_every
         # The generator picks tokens through `first_tokens` and `steps` (on the device) at any
         # sync_every; False: through `step`'s logits on the host (the reference's own sampler).
         self.device_picks = device_picks
+        self.run_ahead = run_ahead  # the generator keeps one run of steps in flight (below)
+        self._runs: list[LoopRun] = []  # launched runs not collected yet
+        self._continues = False  # the device holds the last launched run's pick as input
+        self._runs_epoch = 0  # a prefill discards the runs launched before it
+        self._landings: list[_Landing] = []  # pinned places runs land in, reused
+        self.discarded_steps = 0  # steps of runs a prefill discarded before they were collected
         self.replay = replay_enabled()  # eager calls issue the launches their first run recorded
         self._decoding = False
         self.fused_mode = fused
@@ -430,6 +447,7 @@ class NativeBackend:
         """
         batch = len(prompts)
         lens, width = prompt_lengths(prompts, self.model.context_length)
+        self._discard_runs()
         rows = self._rows_for(batch)
         self._decoding = False
         self._prefilled = None
@@ -494,6 +512,7 @@ class NativeBackend:
             )
         if sampling is not None and (refusal := self.sampling_refusal(sampling)):
             raise GenerationError(f"first_tokens(sampling=...) with {refusal}")
+        self._continues = False
         drawn = None if sampling is None or sampling.greedy else sampling
         masked = self._checked_mask(mask, self.model.vocab_size)
         logits, self._prefilled = self._prefilled, None
@@ -582,6 +601,8 @@ class NativeBackend:
     def step(self, tokens: np.ndarray) -> np.ndarray:
         if not self._decoding:
             raise GenerationError("step() before prefill(): run a prefill first")
+        self._refuse_runs("step()")
+        self._continues = False
         plan = self._plan(self.lens.size, 1)
         self._upload_step(plan, tokens)
         self._prefilled = None
@@ -613,8 +634,26 @@ class NativeBackend:
         the tokens are those of `ep.sampling.sample` one step at a time (temperature, top-k,
         top-p and min-p; not the repetition penalty, which needs the history on the host).
         Returns the ids [count, batch] (int64), read back once at the end. Stops are the
-        caller's business: every row runs all ``count`` steps.
+        caller's business: every row runs all ``count`` steps. ``collect(launch_steps(...))``.
         """
+        return self.collect(self.launch_steps(tokens, count, mask=mask, mask_steps=mask_steps,
+                                              sampling=sampling, draws=draws))  # fmt: skip
+
+    def launch_steps(
+        self,
+        tokens: np.ndarray | None,
+        count: int,
+        *,
+        mask: Sequence[int] | np.ndarray = (),
+        mask_steps: int = 0,
+        sampling: SamplingParams | None = None,
+        draws: int = 0,
+    ) -> LoopRun:
+        """`steps`' ``count`` steps queued on the device, not waited for: `collect` the run for
+        its tokens. ``tokens`` None continues from the last launched run's last pick, which is
+        on the device already: so the next run goes in before the host reads this one, and the
+        device never waits for the host (``run_ahead``; the generator drops what a stop makes
+        surplus). The cache's lengths move on at launch."""
         from ep.kernels.stack import PICK_MASK
 
         if not self._decoding:
@@ -622,6 +661,12 @@ class NativeBackend:
         if isinstance(count, bool) or not isinstance(count, (int, np.integer)) or count < 1:
             raise GenerationError(f"steps(count={count!r}); expected an integer >= 1")
         count = int(count)
+        if tokens is None and not self._continues:
+            raise GenerationError(
+                "launch_steps(None, ...) continues from the last launched run's last pick, and "
+                "no run was launched since the last prefill(), step() or first_tokens(): pass "
+                "the last tokens"
+            )
         room = self.model.context_length - int(self.lens[: self._real].max())
         if count > room:
             raise GenerationError(
@@ -641,7 +686,8 @@ class NativeBackend:
         plan = self._plan(rows, 1)
         loop = self._loop_for(count, masked, drawn, draws)
         self._prefilled = None
-        self._upload_step(plan, tokens)
+        if tokens is not None:
+            self._upload_step(plan, tokens)
         picked: list[int] = []  # the steps the fused kernel picked, a run at a time
         for j in range(count):
             masking = masked.size if j < mask_steps else 0
@@ -654,12 +700,72 @@ class NativeBackend:
             nk.advance(self.device, plan.input_ids, plan.positions, loop.history, loop.sampled,
                        batch=rows, slot=j, stream=self.stream)  # fmt: skip
         self._picked_to_history(picked, loop)
-        history = loop.history.to_host(stream=self.stream)  # the one synchronisation
-        self._check_faults()
-        self.decode_syncs += 1
+        landing = self._landing_for(count * rows)
+        item = np.dtype(np.int64).itemsize
+        self.device.copy(landing.history, loop.history, nbytes=count * rows * item,
+                         stream=self.stream)  # fmt: skip
+        self.device.copy(landing.status, self.status, stream=self.stream)
+        self.stream.record(landing.done)
         self.lens[: self._real] += count
-        out = np.asarray(history).reshape(-1)[: count * rows].reshape(count, rows)
-        return out[:, : self._real].astype(np.int64, copy=True)
+        run = LoopRun(count=count, rows=rows, real=self._real, epoch=self._runs_epoch,
+                      landing=landing)  # fmt: skip
+        self._runs.append(run)
+        self._continues = True
+        return run
+
+    def collect(self, run: LoopRun) -> np.ndarray:
+        """The ids [count, batch] (int64) of a launched run, after waiting for it (and only it:
+        a run launched after it keeps the device busy meanwhile)."""
+        if run.epoch != self._runs_epoch or run not in self._runs:
+            raise GenerationError(
+                "collect(run): this run was collected already, or a prefill() since its launch "
+                "discarded it; collect each launched run once, before the next prefill"
+            )
+        landing = run.landing
+        landing.done.sync()
+        self._runs.remove(run)
+        landing.busy = False
+        self.decode_syncs += 1
+        if int(landing.status.array.reshape(-1)[0]):  # a kernel flagged bad data: say what
+            self._discard_runs()
+            self._check_faults()
+        n = run.count * run.rows
+        out = landing.history.array.reshape(-1)[:n].reshape(run.count, run.rows)
+        return out[:, : run.real].astype(np.int64, copy=True)
+
+    def _landing_for(self, size: int) -> _Landing:
+        """A free pinned place for a run's ``size`` ids and the status word (made or reused)."""
+        for landing in self._landings:
+            if not landing.busy and landing.history.size >= size:
+                landing.busy = True
+                return landing
+        dev, st = self.device, self.stream
+        n = len(self._landings)
+        landing = _Landing(
+            history=dev.alloc_pinned(size, np.int64, stream=st, name=f"loop.landing{n}"),
+            status=dev.alloc_pinned(1, np.uint32, stream=st, name=f"loop.status{n}"),
+            done=dev.create_event(),
+        )
+        self._landings.append(landing)
+        return landing
+
+    def _discard_runs(self) -> None:
+        """Forget the runs not collected (a prefill starts over); their work finishes first."""
+        if self._runs:
+            self.stream.sync()
+            self.discarded_steps += sum(run.count for run in self._runs)
+            for run in self._runs:
+                run.landing.busy = False
+            self._runs.clear()
+        self._runs_epoch += 1
+        self._continues = False
+
+    def _refuse_runs(self, what: str) -> None:
+        if self._runs:
+            raise GenerationError(
+                f"{what} while {len(self._runs)} run(s) of launch_steps() are in flight: collect "
+                "them first (their tokens come before this one's), or prefill anew"
+            )
 
     def _picked_to_history(self, picked: list[int], loop: _LoopBuffers) -> None:
         """The tokens of a run of steps the fused kernel picked (``picked``, emptied), from its
@@ -771,6 +877,29 @@ class NativeBackend:
             )
             self._loop[rows] = have
         return have
+
+
+@dataclass
+class _Landing:
+    """Pinned host memory a run of loop steps lands in: its ids and the status word, then
+    ``done`` (recorded after the copies); ``busy`` until the run is collected or discarded."""
+
+    history: PinnedBuffer
+    status: PinnedBuffer
+    done: Any  # Event
+    busy: bool = True
+
+
+@dataclass(eq=False)
+class LoopRun:
+    """A run of device-loop steps `NativeBackend.launch_steps` queued: `NativeBackend.collect`
+    gives its ids. ``epoch``: the prefill it belongs to."""
+
+    count: int
+    rows: int
+    real: int
+    epoch: int
+    landing: _Landing
 
 
 @dataclass(frozen=True)

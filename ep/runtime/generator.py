@@ -8,6 +8,9 @@ very numbers `ep.sampling.make_rngs` gives it: a seed is drawn when none is set)
 by its ``first_tokens``; they are consumed one per loop turn the same way, so stops and
 ``min_new_tokens`` act as with k = 1. What the device cannot pick (the repetition penalty needs
 the history on the host) is picked here, one step a call, with a note when k > 1 was asked.
+With the backend's ``run_ahead`` (``launch_steps``/``collect``), the next k steps are launched
+before the host waits for this k, so the device never waits for the host; a stop makes them
+surplus, and they are dropped (the next prefill discards them).
 Nothing large is allocated and no plugin hook is called per token; the KV layout object is called
 only when the cache grows.
 """
@@ -405,6 +408,18 @@ class Generator:
 
         block: np.ndarray | None = None
         used = 0
+        ahead = (
+            device_loop
+            and bool(getattr(self.backend, "run_ahead", False))
+            and hasattr(self.backend, "launch_steps")
+        )
+        pending: Any = None  # the run launched ahead, when ``ahead``
+
+        def run_from(first: int) -> dict[str, Any]:
+            """The device loop's run for the tokens from step ``first`` on (k, or to the end);
+            each row drew one uniform a step before it."""
+            return {"count": min(every, max_new - first), "mask": stops, "sampling": sampling,
+                    "mask_steps": max(0, min_new - first), "draws": first}  # fmt: skip
 
         step = 0
         while True:
@@ -449,11 +464,17 @@ class Generator:
                 break
             if device_loop:
                 if block is None or used == len(block):
-                    count = min(every, max_new - 1 - step)
-                    block = self.backend.steps(  # type: ignore[attr-defined]
-                        ids, count, mask=stops, mask_steps=max(0, min_new - step - 1),
-                        sampling=sampling, draws=step + 1,  # one uniform a row a step so far
-                    )  # fmt: skip
+                    backend: Any = self.backend
+                    if not ahead:
+                        block = backend.steps(ids, **run_from(step + 1))
+                    else:
+                        run = pending or backend.launch_steps(ids, **run_from(step + 1))
+                        # the next run goes in before this one is read, its input this one's
+                        # last pick (on the device): the device has it queued meanwhile
+                        first = step + 1 + run.count  # the step the next run starts at
+                        more = first < max_new
+                        pending = backend.launch_steps(None, **run_from(first)) if more else None
+                        block = backend.collect(run)
                     used = 0
             else:
                 logits = self.backend.step(ids)

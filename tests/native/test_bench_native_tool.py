@@ -46,6 +46,7 @@ def test_cpu_mode_times_every_mode_with_equal_tokens(
 def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: Path) -> None:
     argv = ["--device", "cuda", "--run-on", "cpu", "--spec", SMALL_QWEN, "--batches", "1", "16"]
     argv += ["--prompt", "8", "--warmup", "3", "--steps", "5", "--repeats", "1", "--loop", "2"]
+    argv += ["--loop-sync"]
     assert tool.main([*argv, "--out", str(tmp_path), "--work", str(tmp_path / "work")]) == 0
     data = json.loads((tmp_path / "bench_native.json").read_text())
     assert data["errors"] == [] and data["tokens_match"] is True
@@ -54,16 +55,20 @@ def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: 
         p.stat().st_size for p in (tmp_path / "work").glob("*/model.onnx.data")
     )
     assert "skipped" in data["hf"]  # the transformers reference needs CUDA
-    modes = ("native-capture", "native-loop", "native-fused", "native-fused-loop", "native-eager")
+    modes = ("native-capture", "native-loop", "native-fused", "native-fused-loop",
+             "native-loop-sync", "native-fused-loop-sync", "native-eager")  # fmt: skip
     assert [(r["mode"], r["batch"]) for r in data["rows"]] == [
         (m, b) for b in (1, 16) for m in modes if b == 1 or "fused" not in m
     ]
     for row in (r for r in data["rows"] if "fused" in r["mode"]):  # the kernel took every step
         assert row["fused"]["steps"] == 3 + 5 and row["fused"]["reason"] == ""
-    assert set(data["fused_token_agreement"]) == {"native-fused", "native-fused-loop"}
-    # the device token loop (steps of 2, 2 and 1) gives the same tokens as step() (tokens_match)
-    loop = next(r for r in data["rows"] if r["mode"] == "native-loop")
-    assert loop["samples"] == 5 and loop["capture"]["captures"] > 0
+    assert set(data["fused_token_agreement"]) == {"native-fused", "native-fused-loop",
+                                                  "native-fused-loop-sync"}  # fmt: skip
+    # the device token loop (steps of 2, 2 and 1), its runs launched ahead or not, gives the
+    # same tokens as step() (tokens_match)
+    for mode in ("native-loop", "native-loop-sync"):
+        loop = next(r for r in data["rows"] if r["mode"] == mode)
+        assert loop["samples"] == 5 and loop["capture"]["captures"] > 0
     assert set(data["targets"]) >= {
         "batch1_ms", "tokens_per_s_16_over_1", "batch1_ms_loop", "tokens_per_s_16_over_1_loop",
         "batch1_ms_fused", "batch1_ms_fused_loop",

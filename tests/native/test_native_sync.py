@@ -175,10 +175,11 @@ def test_first_tokens_only_once_after_a_prefill(model) -> None:
 
 @pytest.mark.parametrize("device_picks", [True, False])
 def test_who_picks_the_tokens_at_one_step_a_sync(model, monkeypatch, device_picks: bool) -> None:
-    """decode.sync_every = 1 picks on the device through steps(..., 1) unless device_picks=False,
-    which picks on the host from each step's logits; the same tokens either way."""
+    """decode.sync_every = 1 picks on the device, a run of one step a collect (launched ahead),
+    unless device_picks=False, which picks on the host from each step's logits; the same tokens
+    either way."""
     gen = generator(model, 1, device_picks=device_picks)
-    calls = {"step": 0, "steps": 0}
+    calls = {"step": 0, "collect": 0}
     for name in calls:
         real = getattr(gen.backend, name)
 
@@ -188,7 +189,7 @@ def test_who_picks_the_tokens_at_one_step_a_sync(model, monkeypatch, device_pick
 
         monkeypatch.setattr(gen.backend, name, counted)
     result = gen.generate(PROMPTS, sampling=SAMPLING)
-    want = {True: {"step": 0, "steps": N - 1}, False: {"step": N - 1, "steps": 0}}
+    want = {True: {"step": 0, "collect": N - 1}, False: {"step": N - 1, "collect": 0}}
     assert calls == want[device_picks] and not result.notes
     other = generator(model, 1, device_picks=not device_picks).generate(PROMPTS, sampling=SAMPLING)
     assert result.tokens == other.tokens
@@ -253,6 +254,99 @@ def test_steps_refuses_bad_requests(model) -> None:
         NativeBackend(model, HeadMajorLayout(), sync_every=0)
     with pytest.raises(ConfigError, match=r"device_picks='no'; expected True .* or False"):
         NativeBackend(model, HeadMajorLayout(), device_picks="no")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"run_ahead=1; expected True .* or False"):
+        NativeBackend(model, HeadMajorLayout(), run_ahead=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_runs_launched_ahead_give_the_tokens_of_steps_one_call_at_a_time(model, kind) -> None:
+    """launch_steps(None, ...) continues from the last launched run's pick on the device, before
+    the host has read it: the tokens of steps() called with each run's last tokens, masks and
+    draws included; each collect is one synchronisation."""
+    device_or_skip(kind)
+    prompts = [np.array(p) for p in PROMPTS]
+    stop = EXPECTED["genai-fp32"][0][3]
+    calls = [(3, {"mask": [stop], "mask_steps": 2}), (4, {"mask": [stop], "mask_steps": 1}),
+             (2, {})]  # fmt: skip
+
+    def make() -> NativeBackend:
+        return NativeBackend(model, HeadMajorLayout(), device=kind, capture=WarmupCapture())
+
+    for sampling in (None, SAMPLING):
+        one = make()
+        one.prefill(prompts)
+        first = one.first_tokens(sampling=sampling)
+        want, tokens, draws = [], first, 1
+        for count, kw in calls:
+            want.append(one.steps(tokens, count, sampling=sampling, draws=draws, **kw))
+            tokens, draws = want[-1][-1], draws + count
+        ahead = make()
+        ahead.prefill(prompts)
+        tokens, draws, runs = ahead.first_tokens(sampling=sampling), 1, []
+        for count, kw in calls:
+            runs.append(ahead.launch_steps(tokens, count, sampling=sampling, draws=draws, **kw))
+            tokens, draws = None, draws + count
+        assert ahead.decode_syncs == 0  # nothing waited for yet
+        got = [ahead.collect(run) for run in runs]
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_array_equal(g, w)
+        assert ahead.decode_syncs == len(calls) and ahead.lens.tolist() == one.lens.tolist()
+
+
+def test_runs_in_flight_are_collected_once_and_a_prefill_discards_them(model) -> None:
+    backend = NativeBackend(model, HeadMajorLayout())
+    prompt = [np.array(PROMPTS[3])]
+    backend.prefill(prompt)
+    with pytest.raises(GenerationError, match=r"no run was launched since the last prefill"):
+        backend.launch_steps(None, 2)
+    ids = backend.first_tokens()
+    run = backend.launch_steps(ids, 2)
+    later = backend.launch_steps(None, 3)
+    with pytest.raises(GenerationError, match=r"step\(\) while 2 run\(s\) of launch_steps"):
+        backend.step(ids)
+    backend.collect(run)
+    with pytest.raises(GenerationError, match="collected already"):
+        backend.collect(run)
+    backend.launch_steps(None, 1)  # after a collect, a run still continues the last one
+    backend.prefill(prompt)  # starts over: the 2 runs not collected are dropped
+    assert backend.discarded_steps == 4
+    with pytest.raises(GenerationError, match=r"a prefill\(\) since its launch discarded it"):
+        backend.collect(later)
+    with pytest.raises(GenerationError, match="no run was launched since the last prefill"):
+        backend.launch_steps(None, 1)
+    assert backend.steps(backend.first_tokens(), 2).shape == (2, 1)  # and it works on
+
+
+def test_a_fault_in_a_run_is_raised_at_its_collect_and_the_runs_are_dropped(model) -> None:
+    from ep.errors import KernelFaultError
+
+    backend = NativeBackend(model, HeadMajorLayout())
+    backend.prefill([np.array(PROMPTS[3])])
+    backend.first_tokens()
+    bad = backend.launch_steps(np.array([model.vocab_size + 5]), 2)  # an id outside the table
+    backend.launch_steps(None, 2)
+    with pytest.raises(KernelFaultError, match="token id"):
+        backend.collect(bad)
+    assert backend.discarded_steps == 2
+    backend.prefill([np.array(PROMPTS[3])])  # the status was reset: the next run is clean
+    assert backend.steps(backend.first_tokens(), 2).shape == (2, 1)
+
+
+@pytest.mark.parametrize("every", [1, 4])
+def test_run_ahead_gives_the_same_tokens_and_drops_what_a_stop_made_surplus(model, every) -> None:
+    stop = EXPECTED["genai-fp32"][0][10]
+    opts = {"min_new_tokens": 3, "stop_token_ids": (stop,)}
+    got = {}
+    for ahead in (False, True):
+        gen = generator(model, every, **opts)
+        gen.backend.run_ahead = ahead  # type: ignore[attr-defined]
+        solo = gen.generate([PROMPTS[0]])  # stops at its token 10: the run after it is surplus
+        got[ahead] = solo, gen.generate(PROMPTS, sampling=SAMPLING)  # (whose prefill drops it)
+        assert gen.backend.discarded_steps == (every if ahead else 0)  # type: ignore[attr-defined]
+    assert got[True][1].tokens == got[False][1].tokens  # sampled
+    solo = got[True][0]
+    assert solo.tokens == got[False][0].tokens == (tuple(EXPECTED["genai-fp32"][0][:11]),)
+    assert solo.finish_reasons == ("stop",)
 
 
 def test_stream_yields_the_device_loop_tokens_one_step_at_a_time(model) -> None:
