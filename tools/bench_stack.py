@@ -68,6 +68,11 @@ STAGES = (
     ("QKV store", 2, 3, "all"),
     ("KV prefetch", 3, 4, "attn"),
     ("QKV stored -> attention stored", 3, 5, "attn-sync"),
+    ("  attention: q, k, v arrived", 4, 21, "attn"),
+    ("  attention: scores", 21, 22, "attn"),
+    ("  attention: softmax", 22, 23, "attn"),
+    ("  attention: p v", 23, 25, "attn"),
+    ("  attention: stored", 25, 5, "attn"),
     ("attention -> O's inputs", 5, 6, "sync"),
     ("O projection", 6, 7, "all"),
     ("O residual store", 7, 8, "all"),
@@ -126,10 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tunings",
         default="",
-        help="comma-separated warps:chunk:min_cols[:poll] "
+        help="comma-separated warps:chunk:min_cols[:poll[:kv_l2]] "
         "(`ep.kernels.stack.StackTuning`; chunk 0: the default; default: the kernel's)",
     )
     p.add_argument("--trace", action="store_true", help="also the stages of one launch")
+    p.add_argument(
+        "--positions", default="", help="comma-separated positions to time the first tuning's "
+        "kernel at too (the attention reads position + 1 cached keys and values)",
+    )  # fmt: skip
     p.add_argument("--work", default="/tmp/genai-ep-bench")
     p.add_argument("--out", default=None)
     s = p.parse_args(argv)
@@ -154,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     emb = dev.to_device(embed, stream=stream)
     tunings = [StackTuning(*(int(v) for v in t.split(":"))) for t in s.tunings.split(",") if t]
     tunings = [t.resolved(shape) for t in tunings or [StackTuning()]]
-    names = [f"w{t.warps} c{t.chunk} m{t.min_cols} p{t.poll}" for t in tunings]
+    names = [f"w{t.warps} c{t.chunk} m{t.min_cols} p{t.poll} k{t.kv_l2}" for t in tunings]
     steps: list[Any] = []
     for tuning in tunings:  # one packed copy of the weights serves every tuning
         packed = (steps[0].ws, steps[0].starts) if steps else None
@@ -250,12 +259,24 @@ def main(argv: list[str] | None = None) -> int:
             if name in loop_pos:
                 loop_pos[name].copy_from_host(np.array([s.prompt]), stream=stream)
             times[name].append(replay_ms(dev, stream, g, s.reps))
+    for position in (int(v) for v in s.positions.split(",") if v):  # the first tuning's kernel
+        name = f"kernel {names[0]} at position {position}"
+        steps[0].io.pos.copy_from_host(np.array([position]), stream=stream)
+        times[name] = [replay_ms(dev, stream, graphs[f"kernel {names[0]}"], s.reps)
+                       for _ in range(s.rounds)]  # fmt: skip
+    steps[0].io.pos.copy_from_host(np.array([s.prompt]), stream=stream)
     native = statistics.median(times["native graph"])
     for name, v in times.items():
         med = statistics.median(v)
         print(f"{name:26s} {med:.4f} ms a step ({min(v):.4f} .. {max(v):.4f}), "
               f"{med / native:.3f} x the native graph")  # fmt: skip
     stages = stage_times(dev, stream, step) if s.trace else None
+    stages_at = {}
+    for position in (int(v) for v in s.positions.split(",") if v) if s.trace else ():
+        print(f"at position {position}:")
+        steps[0].io.pos.copy_from_host(np.array([position]), stream=stream)
+        stages_at[position] = stage_times(dev, stream, steps[0])
+    steps[0].io.pos.copy_from_host(np.array([s.prompt]), stream=stream)
     if s.out:
         out = Path(s.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -264,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "blocks": step.blocks, "tunings": names, "final_norm_errors": errors,
             "tunings_bitwise_equal": tunings_equal, "logit_diffs": diffs, "argmax": argmaxes,
             "times_ms": times, "stages_us": stages,
+            "stages_us_at": stages_at,
         }, indent=1))  # fmt: skip
     return 0
 

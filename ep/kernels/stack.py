@@ -40,6 +40,7 @@ an address table and strides (`StackIO`); by default the step's own,
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -145,16 +146,19 @@ class StackTuning:
     (whole columns; 0: `default_chunk`); ``min_cols``: columns a chunk holds at least, so long
     columns (K = intermediate: the down projection) come several a chunk, in a bigger one;
     ``poll``: how a block waits for the values of other blocks (< 0: it reloads all of them each
-    round; 0: only those not yet arrived; > 0: that, sleeping ``poll`` ns between rounds)."""
+    round; 0: only those not yet arrived; > 0: that, sleeping ``poll`` ns between rounds);
+    ``kv_l2``: an attention block asks its layer's cached keys and values into L2 as the layer
+    starts (1), or reads them from memory when attention comes (0). None of these changes a
+    bit."""
 
     warps: int = CW
     chunk: int = 0
     min_cols: int = 4
     poll: int = 0
+    kv_l2: int = 1
 
     def resolved(self, shape: StackShape) -> StackTuning:
-        return StackTuning(self.warps, self.chunk or default_chunk(shape, self.warps),
-                           self.min_cols, self.poll)  # fmt: skip
+        return dataclasses.replace(self, chunk=self.chunk or default_chunk(shape, self.warps))
 
     def chunk_bytes(self, k: int) -> int:
         """A chunk's bytes for columns of ``k`` (the kernel's ``chunk_bytes<K>``)."""
@@ -224,7 +228,7 @@ def _cuda(shape: StackShape, blocks: int, t: StackTuning, ring: int) -> str:
         "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": t.chunk,
         "MIN_COLS": t.min_cols, "SLOTS": SLOTS, "RING": ring, "CW": t.warps, "SCORES": SCORES,
         "RESMAX": _resmax(shape, blocks, t), "TRACE_STAMPS": TRACE_STAMPS, "POLL": t.poll,
-        "PICK_MASK": PICK_MASK,
+        "PICK_MASK": PICK_MASK, "KV_L2": t.kv_l2,
     }  # fmt: skip
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     scale = float(np.float32(shape.attention_scale))
@@ -383,6 +387,9 @@ static __device__ __forceinline__ void mbar_wait(u64* b, u32 parity) {
         asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
                      " selp.u32 %0, 1, 0, p;\n}\n" : "=r"(ok) : "r"(sa(b)), "r"(parity) : "memory");
     } while (!ok);
+}
+static __device__ __forceinline__ void prefetch_l2(const void* src, u32 bytes) {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(src), "r"(bytes) : "memory");
 }
 static __device__ __forceinline__ void bulk_load(void* dst, const void* src, u32 bytes, u64* b) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -564,29 +571,47 @@ static __device__ void norm_xs(const uint4& g, float* xs, float* scratch, int ti
 
 // One query head over positions 0..pos of its KV head: att[h] = softmax(q k^T * SCALE) v. The
 // cached positions (below pos, committed by earlier launches) are read from the cache, the
-// first CT K rows and VJ * CW V pairs of them before the QKV values arrive (`Prefetch`); q
-// and position pos's k and v come tagged from this launch's QKV stage.
-#define VJ 16
-struct Prefetch { uint4 k[HD / 8]; u32 v[VJ]; };
+// first 32 CW K rows and 4 VG CW V rows of them before the QKV values arrive (`Prefetch`); q
+// and position pos's k and v come tagged from this launch's QKV stage. A warp reads K and V
+// rows whole and coalesced, a group of 4 rows a load (`row_of`): lane l holds 8 elements (16
+// bytes, part l % 8) of the group's row l / 8; the 8 lanes of a K row add up its score, and
+// the lanes of a part add up its share of the output.
+#define VG 4  // V loads a lane prefetches: rows 4 VG warp .. 4 VG (warp + 1), 4 VG CW in all
+struct Prefetch { uint4 k[8]; uint4 v[VG]; };
+// the row lane holds in its warp's i-th group of 4 rows, counting from group g0: the warps
+// take the groups in turn (so every warp has some of a short context)
+static __device__ __forceinline__ int row_of(int g0, int i, int warp, int lane) {
+    return 4 * (g0 + CW * i) + (4 * warp + (lane >> 3));
+}
+static __device__ __forceinline__ const uint4* row_part(const bf16* base, int t, i64 ts,
+                                                        int lane) {
+    return reinterpret_cast<const uint4*>(base + t * ts) + (lane & 7);
+}
+// o[e] += p * the 8 elements of w (a row's part)
+static __device__ __forceinline__ void axpy8(float p, const uint4& w, float* o) {
+    float f[8];
+    unpack8(w, f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) o[e] = fmaf(p, f[e], o[e]);
+}
 static __device__ __forceinline__ void attend_prefetch(Prefetch& pf, int pos, const bf16* kb,
                                                        const bf16* vb, i64 ts, int tid,
                                                        int warp, int lane) {
-    if (tid < pos) {
-        const uint4* kr = reinterpret_cast<const uint4*>(kb + tid * ts);
 #pragma unroll
-        for (int v = 0; v < HD / 8; ++v) pf.k[v] = __ldcg(kr + v);
+    for (int i = 0; i < 8; ++i) {
+        const int t = row_of(0, i, warp, lane);
+        if (t < pos) pf.k[i] = __ldcg(row_part(kb, t, ts, lane));
     }
 #pragma unroll
-    for (int j = 0; j < VJ; ++j) {
-        const int t = warp + CW * j;
-        if (t < pos)
-            pf.v[j] = __ldcg(reinterpret_cast<const unsigned int*>(vb + t * ts) + lane);
+    for (int j = 0; j < VG; ++j) {
+        const int t = row_of(0, j, warp, lane);
+        if (t < pos) pf.v[j] = __ldcg(row_part(vb, t, ts, lane));
     }
 }
-static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv, u32 tag,
+static __device__ void attend(Prefetch& pf, int h, int pos, const u32* qkv, u32 tag,
                               const bf16* kb, const bf16* vb, i64 ts, u32* att, float* sc,
                               float* qs, float* kn, float* vn, float* part, float* scratch, int tid,
-                              int warp, int lane) {
+                              int warp, int lane, u64* tr) {
     const int kvh = h / (NH / NKV), ctx = pos + 1;
     if (tid < 3 * HD / 4) {  // q, the new k, the new v: 16 words of 4 each
         const int which = tid / (HD / 4), i = tid % (HD / 4);
@@ -600,29 +625,39 @@ static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv
         for (int e = 0; e < 4; ++e) dst[4 * i + e] = which == 0 ? f[e] * SCALE : f[e];
     }
     cbar();
+    if (tr != nullptr && tid == 0) tr[0] = gtime();  // q, k, v arrived
     float mx = __int_as_float(0xff800000u);
-    for (int t = tid; t < ctx; t += CT) {
-        float s = 0.0f;
-        if (t == pos) {
-#pragma unroll 8
-            for (int e = 0; e < HD; ++e) s = fmaf(kn[e], qs[e], s);
-        } else {
-            uint4 w[HD / 8];
-            if (t == tid) {
+    const int part8 = 8 * (lane & 7);  // this lane's 8 elements of a row
+    const float* q8 = qs + part8;
+    for (int g0 = 0; 4 * g0 < ctx; g0 += 8 * CW) {  // 8 groups of 4 rows a warp at a time
+        if (g0 > 0) {  // past the prefetched rows: the next ones, all loads first
 #pragma unroll
-                for (int v = 0; v < HD / 8; ++v) w[v] = pf.k[v];
-            } else {
-                const uint4* kr = reinterpret_cast<const uint4*>(kb + t * ts);
-#pragma unroll
-                for (int v = 0; v < HD / 8; ++v) w[v] = __ldcg(kr + v);
+            for (int i = 0; i < 8; ++i) {
+                const int t = row_of(g0, i, warp, lane);
+                if (t < pos) pf.k[i] = __ldcg(row_part(kb, t, ts, lane));
             }
-#pragma unroll
-            for (int v = 0; v < HD / 8; ++v) s += dot8(w[v], qs + 8 * v);
         }
-        sc[t] = s;
-        mx = fmaxf(mx, s);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int t = row_of(g0, i, warp, lane);
+            float s = 0.0f;
+            if (t == pos) {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) s = fmaf(kn[part8 + e], q8[e], s);
+            } else if (t < pos) {
+                s = dot8(pf.k[i], q8);
+            }
+            s += __shfl_xor_sync(0xffffffffu, s, 1);
+            s += __shfl_xor_sync(0xffffffffu, s, 2);
+            s += __shfl_xor_sync(0xffffffffu, s, 4);
+            if (t < ctx) {
+                if ((lane & 7) == 0) sc[t] = s;
+                mx = fmaxf(mx, s);
+            }
+        }
     }
     mx = cmax(mx, scratch, tid);
+    if (tr != nullptr && tid == 0) tr[1] = gtime();  // the scores
     float sum = 0.0f;
     for (int t = tid; t < ctx; t += CT) {
         const float p = __expf(sc[t] - mx);
@@ -630,36 +665,59 @@ static __device__ void attend(const Prefetch& pf, int h, int pos, const u32* qkv
         sum += p;
     }
     sum = csum(sum, scratch, tid);  // its barriers also publish sc
-    float o0 = 0.0f, o1 = 0.0f;
+    if (tr != nullptr && tid == 0) tr[2] = gtime();  // the softmax
+    // p v: lane l adds up its rows' parts l % 8 (the prefetched rows, then groups of 32 rows a
+    // warp, loaded first, into the K registers), then the warp's 4 rows a load, then the warps
+    float o[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int j = 0; j < VJ; ++j) {
-        const int t = warp + CW * j;
-        if (t < pos) {
-            const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pf.v[j]));
-            o0 = fmaf(sc[t], v.x, o0);
-            o1 = fmaf(sc[t], v.y, o1);
+    for (int j = 0; j < VG; ++j) {
+        const int t = row_of(0, j, warp, lane);
+        if (t < pos) axpy8(sc[t], pf.v[j], o);
+    }
+    for (int g0 = VG * CW; 4 * g0 < pos; g0 += 8 * CW) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int t = row_of(g0, i, warp, lane);
+            if (t < pos) pf.k[i] = __ldcg(row_part(vb, t, ts, lane));
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const int t = row_of(g0, i, warp, lane);
+            if (t < pos) axpy8(sc[t], pf.k[i], o);
         }
     }
-#pragma unroll 4
-    for (int t = warp + CW * VJ; t < pos; t += CW) {
-        const u32 raw = __ldcg(reinterpret_cast<const unsigned int*>(vb + t * ts) + lane);
-        const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
-        o0 = fmaf(sc[t], v.x, o0);
-        o1 = fmaf(sc[t], v.y, o1);
+    if (warp == 0 && lane < 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) o[e] = fmaf(sc[pos], vn[part8 + e], o[e]);
     }
-    if (warp == pos % CW) {
-        o0 = fmaf(sc[pos], vn[2 * lane], o0);
-        o1 = fmaf(sc[pos], vn[2 * lane + 1], o1);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+        o[e] += __shfl_xor_sync(0xffffffffu, o[e], 8);
+        o[e] += __shfl_xor_sync(0xffffffffu, o[e], 16);
     }
-    part[warp * HD + 2 * lane] = o0;
-    part[warp * HD + 2 * lane + 1] = o1;
+    if (lane < 8) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) part[warp * HD + part8 + e] = o[e];
+    }
     cbar();
+    if (tr != nullptr && tid == 0) tr[4] = gtime();  // p v
     for (int d = tid; d < HD; d += CT) {
         float o = 0.0f;
 #pragma unroll
         for (int w = 0; w < CW; ++w) o += part[w * HD + d];
         st_tag(att + h * HD + d, o / sum, tag);
     }
+}
+
+// Attention block h asks layer l's cached keys and values of its KV head (positions below
+// pos) into L2, to be read from there when its attention comes. Out of line: the layer loop
+// keeps its registers.
+static __device__ __noinline__ void kv_to_l2(const u64* kv, int l, int h, int pos, i64 ts,
+                                             i64 hs) {
+    const i64 base = (h / (NH / NKV)) * hs;
+    const u32 bytes = (u32)(((i64)(pos - 1) * ts + HD) * 2) & ~15u;
+    prefetch_l2(reinterpret_cast<const bf16*>(kv[l]) + base, bytes);
+    prefetch_l2(reinterpret_cast<const bf16*>(kv[L + l]) + base, bytes);
 }
 
 // picking[0] = 1 + m: the greedy pick (np.argmax: the largest logit, the lowest index on ties,
@@ -799,6 +857,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
             ba = __bfloat162float(qkv_bias[(size_t)l * NQKV + ca]);
             bc = __bfloat162float(qkv_bias[(size_t)l * NQKV + cb]);
         }
+        if (KV_L2 && b < NH && tid == 0 && pos > 0) kv_to_l2(s_kv, l, b, pos, ts, hs);
         // norm, QKV projection, bias, rotary embedding, KV commit
         if (l > 0) gather<H>(R, prev, xs, tid);  // layer 0's: the embedding row, above
         cbar();
@@ -833,7 +892,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
             attend_prefetch(pf, pos, kb, vb, ts, tid, warp, lane);
             TR(4);
             attend(pf, b, pos, qkv, tag, kb, vb, ts, att, sc, qs, kn, vn, part, scratch, tid, warp,
-                   lane);
+                   lane, WAITED(21));
             TR(5);
         }
         // O projection and the residual
@@ -1043,7 +1102,7 @@ def stack_kernel(shape: StackShape, blocks: int, tuning: StackTuning | None = No
     tag = f"h{shape.hidden}_n{shape.heads}_{shape.kv_heads}_i{shape.inter}_l{shape.layers}"
     digest = hashlib.sha256(source.encode()).hexdigest()[:8]  # eps and scale are in the source
     return KernelSource(
-        name=f"ep_stack_bf16_{tag}_b{blocks}_w{t.warps}_c{t.chunk}_m{t.min_cols}_p{t.poll}_"
+        name=f"ep_stack_bf16_{tag}_b{blocks}_w{t.warps}_c{t.chunk}_m{t.min_cols}_p{t.poll}_k{t.kv_l2}_"
         f"{digest}",
         entry="ep_stack_bf16",
         source=source,
