@@ -59,6 +59,26 @@ def test_cli_batch_gives_genai_tokens_for_every_k(capsys, every: int) -> None:
     assert result["metrics"]["capture"]["fallbacks"] == 0
 
 
+@pytest.mark.parametrize("ahead", ["true", "false"])
+def test_cli_run_ahead_setting_reaches_the_loop(capsys, monkeypatch, ahead: str) -> None:
+    continued = []
+    launch = NativeBackend.launch_steps
+
+    def spy(self, tokens, *a, **k):
+        continued.append(tokens is None)
+        return launch(self, tokens, *a, **k)
+
+    monkeypatch.setattr(NativeBackend, "launch_steps", spy)
+    code = main(["run", "--json", "--model", str(TINY / "genai-fp32"), "--backend", "native",
+                 "--prompt-ids", ",".join(map(str, PROMPTS[0])), "--max-new-tokens", str(N),
+                 "--min-new-tokens", str(N), "--set", "decode.sync_every=4",
+                 "--set", f"decode.run_ahead={ahead}"])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == [EXPECTED["genai-fp32"][0]]
+    assert any(continued) == (ahead == "true")  # runs launched ahead continue on the device
+
+
 @pytest.mark.parametrize("every", [1, 4, 7])
 def test_one_host_sync_per_block(model, every: int) -> None:
     gen = generator(model, every)
