@@ -576,7 +576,7 @@ static __device__ void norm_xs(const uint4& g, float* xs, float* scratch, int ti
 // rows whole and coalesced, a group of 4 rows a load (`row_of`): lane l holds 8 elements (16
 // bytes, part l % 8) of the group's row l / 8; the 8 lanes of a K row add up its score, and
 // the lanes of a part add up its share of the output.
-#define VG 4  // V loads a lane prefetches: rows 4 VG warp .. 4 VG (warp + 1), 4 VG CW in all
+#define VG 4  // V loads a lane prefetches (a group of 4 rows each): 4 VG CW rows in all
 struct Prefetch { uint4 k[8]; uint4 v[VG]; };
 // the row lane holds in its warp's i-th group of 4 rows, counting from group g0: the warps
 // take the groups in turn (so every warp has some of a short context)
@@ -666,8 +666,9 @@ static __device__ void attend(Prefetch& pf, int h, int pos, const u32* qkv, u32 
     }
     sum = csum(sum, scratch, tid);  // its barriers also publish sc
     if (tr != nullptr && tid == 0) tr[2] = gtime();  // the softmax
-    // p v: lane l adds up its rows' parts l % 8 (the prefetched rows, then groups of 32 rows a
-    // warp, loaded first, into the K registers), then the warp's 4 rows a load, then the warps
+    // p v: lane l adds up its rows' parts l % 8 (the prefetched rows, then 8 groups a warp at a
+    // time, all loaded first, into the K registers), then the warp's 4 rows a load, then the
+    // warps
     float o[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
     for (int j = 0; j < VG; ++j) {
