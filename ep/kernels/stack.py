@@ -639,6 +639,7 @@ static __device__ void attend(Prefetch& pf, int h, int pos, const u32* qkv, u32 
         }
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
+            if (row_of(g0, i, warp, 0) >= ctx) break;  // the warp's groups past the context
             const int t = row_of(g0, i, warp, lane);
             float s = 0.0f;
             if (t == pos) {
