@@ -219,7 +219,6 @@ class NativeBackend:
         self.run_ahead = run_ahead  # the generator keeps one run of steps in flight (below)
         self._runs: list[LoopRun] = []  # launched runs not collected yet
         self._continues = False  # the device holds the last launched run's pick as input
-        self._runs_epoch = 0  # a prefill discards the runs launched before it
         self._landings: list[_Landing] = []  # pinned places runs land in, reused
         self.discarded_steps = 0  # steps of runs a prefill discarded before they were collected
         self.replay = replay_enabled()  # eager calls issue the launches their first run recorded
@@ -707,8 +706,7 @@ class NativeBackend:
         self.device.copy(landing.status, self.status, stream=self.stream)
         self.stream.record(landing.done)
         self.lens[: self._real] += count
-        run = LoopRun(count=count, rows=rows, real=self._real, epoch=self._runs_epoch,
-                      landing=landing)  # fmt: skip
+        run = LoopRun(count=count, rows=rows, real=self._real, landing=landing)
         self._runs.append(run)
         self._continues = True
         return run
@@ -716,15 +714,14 @@ class NativeBackend:
     def collect(self, run: LoopRun) -> np.ndarray:
         """The ids [count, batch] (int64) of a launched run, after waiting for it (and only it:
         a run launched after it keeps the device busy meanwhile)."""
-        if run.epoch != self._runs_epoch or run not in self._runs:
+        if run not in self._runs:
             raise GenerationError(
                 "collect(run): this run was collected already, or a prefill() since its launch "
                 "discarded it; collect each launched run once, before the next prefill"
             )
         landing = run.landing
         landing.done.sync()
-        self._runs.remove(run)
-        landing.busy = False
+        self._runs.remove(run)  # its landing is free again
         self.decode_syncs += 1
         if int(landing.status.array.reshape(-1)[0]):  # a kernel flagged bad data: say what
             self._discard_runs()
@@ -734,10 +731,11 @@ class NativeBackend:
         return out[:, : run.real].astype(np.int64, copy=True)
 
     def _landing_for(self, size: int) -> _Landing:
-        """A free pinned place for a run's ``size`` ids and the status word (made or reused)."""
+        """A pinned place for a run's ``size`` ids and the status word that no run in flight
+        holds (made or reused)."""
+        held = [run.landing for run in self._runs]
         for landing in self._landings:
-            if not landing.busy and landing.history.size >= size:
-                landing.busy = True
+            if landing.history.size >= size and landing not in held:  # (by identity)
                 return landing
         dev, st = self.device, self.stream
         n = len(self._landings)
@@ -754,10 +752,7 @@ class NativeBackend:
         if self._runs:
             self.stream.sync()
             self.discarded_steps += sum(run.count for run in self._runs)
-            for run in self._runs:
-                run.landing.busy = False
             self._runs.clear()
-        self._runs_epoch += 1
         self._continues = False
 
     def _refuse_runs(self, what: str) -> None:
@@ -879,26 +874,24 @@ class NativeBackend:
         return have
 
 
-@dataclass
+@dataclass(frozen=True, eq=False)
 class _Landing:
     """Pinned host memory a run of loop steps lands in: its ids and the status word, then
-    ``done`` (recorded after the copies); ``busy`` until the run is collected or discarded."""
+    ``done`` (recorded after the copies); held by the run until it is collected or discarded."""
 
     history: PinnedBuffer
     status: PinnedBuffer
     done: Any  # Event
-    busy: bool = True
 
 
 @dataclass(eq=False)
 class LoopRun:
     """A run of device-loop steps `NativeBackend.launch_steps` queued: `NativeBackend.collect`
-    gives its ids. ``epoch``: the prefill it belongs to."""
+    gives its ids, once, before the next prefill."""
 
     count: int
     rows: int
     real: int
-    epoch: int
     landing: _Landing
 
 
