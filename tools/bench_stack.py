@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--trace", action="store_true", help="also the stages of one launch")
     p.add_argument(
-        "--positions", default="", help="comma-separated positions to time the first tuning's "
+        "--positions", default=[], type=lambda text: [int(v) for v in text.split(",") if v],
+        help="comma-separated positions to time the first tuning's "
         "kernel at too (the attention reads position + 1 cached keys and values)",
     )  # fmt: skip
     p.add_argument("--work", default="/tmp/genai-ep-bench")
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             if name in loop_pos:
                 loop_pos[name].copy_from_host(np.array([s.prompt]), stream=stream)
             times[name].append(replay_ms(dev, stream, g, s.reps))
-    for position in (int(v) for v in s.positions.split(",") if v):  # the first tuning's kernel
+    for position in s.positions:  # the first tuning's kernel
         name = f"kernel {names[0]} at position {position}"
         steps[0].io.pos.copy_from_host(np.array([position]), stream=stream)
         times[name] = [replay_ms(dev, stream, graphs[f"kernel {names[0]}"], s.reps)
@@ -272,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{med / native:.3f} x the native graph")  # fmt: skip
     stages = stage_times(dev, stream, step) if s.trace else None
     stages_at = {}
-    for position in (int(v) for v in s.positions.split(",") if v) if s.trace else ():
+    for position in s.positions if s.trace else ():
         print(f"at position {position}:")
         steps[0].io.pos.copy_from_host(np.array([position]), stream=stream)
         stages_at[position] = stage_times(dev, stream, steps[0])
