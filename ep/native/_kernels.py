@@ -2,9 +2,10 @@
 
 ``native_add_bias_<dt>``: ``out[r, c] = x[r, c] + bias[c]`` (the ``Add`` after a biased
 projection), rounded once to the dtype, as NumPy's same-dtype add does. ``native_cast_f32_<dt>``:
-``out = float32(x)`` (the logits ``Cast`` of fp16/bf16 graphs). ``native_advance``: the device
-token loop's bookkeeping after sampling: the sampled id goes to the input ids and to slot
-``slot`` of the token history, and every live position (>= 0) moves one forward.
+``out = float32(x)`` (the logits ``Cast`` of fp16/bf16 graphs; 4 elements a thread, one 16-byte
+store where aligned). ``native_advance``: the device token loop's bookkeeping after sampling: the
+sampled id goes to the input ids and to slot ``slot`` of the token history, and every live
+position (>= 0) moves one forward.
 ``native_mask_ids_<dt>``: ``logits[b, ids[i]] = -inf`` for every row and listed id (EOS and stop
 ids before ``min_new_tokens``), so the argmax that follows never picks them.
 ``native_int8_blocks_<dt>``: the activations of a MatMulNBits with ``accuracy_level=4`` as ONNX
@@ -41,11 +42,21 @@ extern "C" __global__ void KERNEL(T* out, const T* x, const T* bias, i64 rows, i
 """
 
 _CAST = r"""
+// 4 elements a thread (CAST_PER): one vector load and one 16-byte store where both are aligned
+struct alignas(4 * sizeof(T)) Quad { T e[4]; };
 extern "C" __global__ void KERNEL(float* out, const T* x, i64 n) {
-    const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = to_f32(x[i]);
+    const i64 i = 4 * ((i64)blockIdx.x * blockDim.x + threadIdx.x);
+    if (i >= n) return;
+    if (i + 4 <= n && ((size_t)out & 15) == 0 && ((size_t)x & (4 * sizeof(T) - 1)) == 0) {
+        const Quad q = *reinterpret_cast<const Quad*>(x + i);
+        *reinterpret_cast<float4*>(out + i) =
+            make_float4(to_f32(q.e[0]), to_f32(q.e[1]), to_f32(q.e[2]), to_f32(q.e[3]));
+    } else {
+        for (i64 j = i; j < n && j < i + 4; ++j) out[j] = to_f32(x[j]);
+    }
 }
 """
+CAST_PER = 4  # elements a thread of the cast kernel
 
 _ADVANCE = r"""
 extern "C" __global__ void native_advance(
@@ -184,7 +195,7 @@ def cast_f32(dev: Device, out: Buffer, x: Buffer, *, n: int, stream: Stream) -> 
     check_buffer(op, "out", out, n, np.dtype(np.float32))
     if n == 0:
         return
-    grid, threads = _grid(n)
+    grid, threads = _grid(-(-n // CAST_PER))
     dev.kernel(CAST_KERNELS[suffix].name).launch(grid, threads, out, x, n, stream=stream)
 
 
