@@ -18,7 +18,8 @@ Same process, same weights (read from the model `bench_native.py` builds and cac
    a layer, of the waits for weights and of the producer's waits for ring space.
 
     python3 tools/bench_stack.py --out DIR                    # on the H200
-    python3 tools/bench_stack.py --tunings 8:0:4:-1,8:0:4:0 --trace  # warps:chunk:min_cols[:poll]
+    python3 tools/bench_stack.py --tunings 8:0:4:-1,8:0:4:0 --trace  # warps:chunk:min_cols:poll
+    python3 tools/bench_stack.py --tunings 8:0:4:0:1:0,8:0:4:0:1:128 --positions 64,1000
 """
 
 from __future__ import annotations
@@ -131,14 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tunings",
         default="",
-        help="comma-separated warps:chunk:min_cols[:poll[:kv_l2]] "
+        help="comma-separated warps:chunk:min_cols[:poll[:kv_l2[:split]]] "
         "(`ep.kernels.stack.StackTuning`; chunk 0: the default; default: the kernel's)",
     )
     p.add_argument("--trace", action="store_true", help="also the stages of one launch")
     p.add_argument(
         "--positions", default=[], type=lambda text: [int(v) for v in text.split(",") if v],
-        help="comma-separated positions to time the first tuning's "
-        "kernel at too (the attention reads position + 1 cached keys and values)",
+        help="comma-separated positions to time every tuning's kernel at too (the attention "
+        "reads position + 1 cached keys and values); with --trace, the first's stages there",
     )  # fmt: skip
     p.add_argument("--work", default="/tmp/genai-ep-bench")
     p.add_argument("--out", default=None)
@@ -164,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     emb = dev.to_device(embed, stream=stream)
     tunings = [StackTuning(*(int(v) for v in t.split(":"))) for t in s.tunings.split(",") if t]
     tunings = [t.resolved(shape) for t in tunings or [StackTuning()]]
-    names = [f"w{t.warps} c{t.chunk} m{t.min_cols} p{t.poll} k{t.kv_l2}" for t in tunings]
+    names = [f"w{t.warps} c{t.chunk} m{t.min_cols} p{t.poll} k{t.kv_l2} s{t.split}"
+             for t in tunings]  # fmt: skip
     steps: list[Any] = []
     for tuning in tunings:  # one packed copy of the weights serves every tuning
         packed = (steps[0].ws, steps[0].starts) if steps else None
@@ -260,12 +262,16 @@ def main(argv: list[str] | None = None) -> int:
             if name in loop_pos:
                 loop_pos[name].copy_from_host(np.array([s.prompt]), stream=stream)
             times[name].append(replay_ms(dev, stream, g, s.reps))
-    for position in s.positions:  # the first tuning's kernel
-        name = f"kernel {names[0]} at position {position}"
-        steps[0].io.pos.copy_from_host(np.array([position]), stream=stream)
-        times[name] = [replay_ms(dev, stream, graphs[f"kernel {names[0]}"], s.reps)
-                       for _ in range(s.rounds)]  # fmt: skip
-    steps[0].io.pos.copy_from_host(np.array([s.prompt]), stream=stream)
+    for position in s.positions:  # every tuning's kernel, rounds interleaved
+        at = {tag: f"kernel {tag} at position {position}" for tag in names}
+        times.update({name: [] for name in at.values()})
+        for st in steps:
+            st.io.pos.copy_from_host(np.array([position]), stream=stream)
+        for _ in range(s.rounds):
+            for tag, name in at.items():
+                times[name].append(replay_ms(dev, stream, graphs[f"kernel {tag}"], s.reps))
+    for st in steps:
+        st.io.pos.copy_from_host(np.array([s.prompt]), stream=stream)
     native = statistics.median(times["native graph"])
     for name, v in times.items():
         med = statistics.median(v)

@@ -59,6 +59,7 @@ __all__ = [
     "StackShape",
     "StackStep",
     "StackTuning",
+    "attention_splits",
     "block_columns",
     "cache_views",
     "default_chunk",
@@ -75,6 +76,7 @@ CW = 8  # consumer warps; one more warp produces
 SLOTS = 32  # the most chunks in flight (mbarrier pairs)
 SCORES = 2048  # positions one attention pass holds in shared memory: the largest capacity
 PICK_MASK = 32  # the most ids a picking launch masks
+MAX_SPLITS = 16  # the most blocks one head's attention is split over
 SHARED = 232448  # the most shared memory a block may have on sm_90 (227 KiB)
 TRACE_STAMPS = 32  # global-timer stamps a layer and block (tools/bench_stack.py --trace)
 
@@ -119,6 +121,8 @@ class StackShape:
             problems.append(f"{self.heads} heads over {self.kv_heads} KV heads (not a multiple)")
         if self.hidden % 8 or self.inter % 8:
             problems.append("hidden and intermediate sizes must be multiples of 8")
+        if tuning.split < 0:
+            problems.append(f"split {tuning.split} (0: never, or a context length)")
         if not 1 <= warps <= 15 or tuning.min_cols < 1:
             problems.append(f"{warps} consumer warps (1 to 15) and chunks of {tuning.min_cols} "
                             "columns at least (1 or more)")  # fmt: skip
@@ -149,13 +153,16 @@ class StackTuning:
     round; 0: only those not yet arrived; > 0: that, sleeping ``poll`` ns between rounds);
     ``kv_l2``: an attention block asks its layer's cached keys and values into L2 as the layer
     starts (1), or reads them from memory when attention comes (0). None of these changes a
-    bit."""
+    bit. ``split``: from a context of more than ``split`` positions, each head's attention is
+    split over `attention_splits` blocks, whose partial results one of them merges (0: never);
+    that changes the sums' order, and so the bits, of those positions only."""
 
     warps: int = CW
     chunk: int = 0
     min_cols: int = 4
     poll: int = 0
     kv_l2: int = 1
+    split: int = 128
 
     def resolved(self, shape: StackShape) -> StackTuning:
         return dataclasses.replace(self, chunk=self.chunk or default_chunk(shape, self.warps))
@@ -167,6 +174,12 @@ class StackTuning:
     def largest_chunk(self, shape: StackShape) -> int:
         return max(self.chunk_bytes(k) for k in (shape.hidden, shape.heads * shape.head_dim,
                                                  shape.inter))  # fmt: skip
+
+
+def attention_splits(shape: StackShape, blocks: int) -> int:
+    """Blocks a head's attention is split over past `StackTuning.split`: as many as the grid
+    has for every head, at most `MAX_SPLITS` (1: too few blocks to split)."""
+    return max(1, min(blocks // shape.heads, MAX_SPLITS))
 
 
 def _range(units: int, b: int, blocks: int) -> tuple[int, int]:
@@ -228,7 +241,8 @@ def _cuda(shape: StackShape, blocks: int, t: StackTuning, ring: int) -> str:
         "INTER": shape.inter, "L": shape.layers, "NB": blocks, "CHUNK": t.chunk,
         "MIN_COLS": t.min_cols, "SLOTS": SLOTS, "RING": ring, "CW": t.warps, "SCORES": SCORES,
         "RESMAX": _resmax(shape, blocks, t), "TRACE_STAMPS": TRACE_STAMPS, "POLL": t.poll,
-        "PICK_MASK": PICK_MASK, "KV_L2": t.kv_l2,
+        "PICK_MASK": PICK_MASK, "KV_L2": t.kv_l2, "SPLIT_AT": t.split,
+        "SMAX": attention_splits(shape, blocks),
     }  # fmt: skip
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     scale = float(np.float32(shape.attention_scale))
@@ -285,6 +299,19 @@ static __device__ __forceinline__ uint4 ld_tagged(const u32* p) {
     uint4 v;
     asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+    return v;
+}
+// A float32 and a 32-bit tag in one 64-bit word (a split attention's partial results, which
+// need more than bf16): the same protocol, with tags that do not wrap (`part_tag`), because
+// these words are written only by launches that split, so a reader may meet one from any
+// launch before.
+static __device__ __forceinline__ void st_tag64(u64* p, float v, u32 tag) {
+    const u64 w = ((u64)tag << 32) | (u64)__float_as_uint(v);
+    asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(w) : "memory");
+}
+static __device__ __forceinline__ u64 ld_tagged64(const u64* p) {
+    u64 v;
+    asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
     return v;
 }
 static __device__ __forceinline__ bool has_tag(const uint4& v, u32 tag) {
@@ -569,13 +596,35 @@ static __device__ void norm_xs(const uint4& g, float* xs, float* scratch, int ti
     cbar();
 }
 
-// One query head over positions 0..pos of its KV head: att[h] = softmax(q k^T * SCALE) v. The
-// cached positions (below pos, committed by earlier launches) are read from the cache, the
-// first 32 CW K rows and 4 VG CW V rows of them before the QKV values arrive (`Prefetch`); q
-// and position pos's k and v come tagged from this launch's QKV stage. A warp reads K and V
-// rows whole and coalesced, a group of 4 rows a load (`row_of`): lane l holds 8 elements (16
-// bytes, part l % 8) of the group's row l / 8; the 8 lanes of a K row add up its score, and
-// the lanes of a part add up its share of the output.
+// One query head over positions 0..pos of its KV head: att[h] = softmax(q k^T * SCALE) v, or
+// its share of them (`Span`). The cached positions (below pos, committed by earlier launches)
+// are read from the cache, the first 32 CW K rows and 4 VG CW V rows of them before the QKV
+// values arrive (`Prefetch`); q and position pos's k and v come tagged from this launch's QKV
+// stage. A warp reads K and V rows whole and coalesced, a group of 4 rows a load (`row_of`):
+// lane l holds 8 elements (16 bytes, part l % 8) of the group's row l / 8; the 8 lanes of a K
+// row add up its score, and the lanes of a part add up its share of the output.
+//
+// Past SPLIT_AT positions a head's attention is split over S = SMAX blocks (block b: head
+// b % NH, share b / NH of the positions), each of which stores its share's max score, sum of
+// exponentials and unnormalised output as float32 words (`st_tag64`); the head's share-0 block
+// merges them (`merge_shares`) into att[h].
+struct Span {
+    int h, share, shares;  // the head, this block's share of its positions, and how many
+    int t0, cached, rows;  // the share's first position, its cached rows, its rows (+ pos's)
+};
+static __device__ __forceinline__ Span span_of(int b, int pos) {
+    const int ctx = pos + 1;
+    const int shares = SPLIT_AT > 0 && SMAX > 1 && ctx > SPLIT_AT && ctx >= SMAX ? SMAX : 1;
+    Span sp;
+    sp.h = b % NH;
+    sp.share = b / NH;
+    sp.shares = shares;
+    sp.t0 = (int)((long long)ctx * sp.share / shares);
+    const int t1 = (int)((long long)ctx * (sp.share + 1) / shares);
+    sp.rows = t1 - sp.t0;
+    sp.cached = min(t1, pos) - sp.t0;
+    return sp;
+}
 #define VG 4  // V loads a lane prefetches (a group of 4 rows each): 4 VG CW rows in all
 struct Prefetch { uint4 k[8]; uint4 v[VG]; };
 // the row lane holds in its warp's i-th group of 4 rows, counting from group g0: the warps
@@ -594,25 +643,28 @@ static __device__ __forceinline__ void axpy8(float p, const uint4& w, float* o) 
 #pragma unroll
     for (int e = 0; e < 8; ++e) o[e] = fmaf(p, f[e], o[e]);
 }
-static __device__ __forceinline__ void attend_prefetch(Prefetch& pf, int pos, const bf16* kb,
-                                                       const bf16* vb, i64 ts, int tid,
-                                                       int warp, int lane) {
+// (kb, vb: the share's first row; a row r of it is position t0 + r, cached while r < cached)
+static __device__ __forceinline__ void attend_prefetch(Prefetch& pf, int cached, const bf16* kb,
+                                                       const bf16* vb, i64 ts, int warp,
+                                                       int lane) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
         const int t = row_of(0, i, warp, lane);
-        if (t < pos) pf.k[i] = __ldcg(row_part(kb, t, ts, lane));
+        if (t < cached) pf.k[i] = __ldcg(row_part(kb, t, ts, lane));
     }
 #pragma unroll
     for (int j = 0; j < VG; ++j) {
         const int t = row_of(0, j, warp, lane);
-        if (t < pos) pf.v[j] = __ldcg(row_part(vb, t, ts, lane));
+        if (t < cached) pf.v[j] = __ldcg(row_part(vb, t, ts, lane));
     }
 }
-static __device__ void attend(Prefetch& pf, int h, int pos, const u32* qkv, u32 tag,
-                              const bf16* kb, const bf16* vb, i64 ts, u32* att, float* sc,
-                              float* qs, float* kn, float* vn, float* part, float* scratch, int tid,
-                              int warp, int lane, u64* tr) {
-    const int kvh = h / (NH / NKV), ctx = pos + 1;
+static __device__ void attend(Prefetch& pf, const Span& sp, const u32* qkv, u32 tag, u32 ptag,
+                              const bf16* kb, const bf16* vb, i64 ts, u32* att, u64* parts,
+                              float* sc, float* qs, float* kn, float* vn, float* part,
+                              float* scratch, int tid, int warp, int lane, u64* tr) {
+    // rows of the share: t < pos are cached, t == pos (the share that ends the context) is the
+    // new one, t < ctx are the share's
+    const int h = sp.h, kvh = h / (NH / NKV), pos = sp.cached, ctx = sp.rows;
     if (tid < 3 * HD / 4) {  // q, the new k, the new v: 16 words of 4 each
         const int which = tid / (HD / 4), i = tid % (HD / 4);
         const int col = (which == 0 ? h : which == 1 ? NH + kvh : NH + NKV + kvh) * HD + 4 * i;
@@ -688,7 +740,7 @@ static __device__ void attend(Prefetch& pf, int h, int pos, const u32* qkv, u32 
             if (t < pos) axpy8(sc[t], pf.k[i], o);
         }
     }
-    if (warp == 0 && lane < 8) {
+    if (warp == 0 && lane < 8 && pos < ctx) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = fmaf(sc[pos], vn[part8 + e], o[e]);
     }
@@ -703,21 +755,71 @@ static __device__ void attend(Prefetch& pf, int h, int pos, const u32* qkv, u32 
     }
     cbar();
     if (tr != nullptr && tid == 0) tr[4] = gtime();  // p v
+    if (sp.shares > 1) {  // this share's max, sum and output, for the merge
+        u64* dst = parts + (size_t)(h * SMAX + sp.share) * (HD + 2);
+        if (tid == HD) st_tag64(dst, mx, ptag);
+        if (tid == HD + 1) st_tag64(dst + 1, sum, ptag);
+    }
     for (int d = tid; d < HD; d += CT) {
         float o = 0.0f;
 #pragma unroll
         for (int w = 0; w < CW; ++w) o += part[w * HD + d];
-        st_tag(att + h * HD + d, o / sum, tag);
+        if (sp.shares > 1) {
+            st_tag64(parts + (size_t)(h * SMAX + sp.share) * (HD + 2) + 2 + d, o, ptag);
+        } else {
+            st_tag(att + h * HD + d, o / sum, tag);
+        }
     }
 }
 
-// Attention block h asks layer l's cached keys and values of its KV head (positions below
-// pos) into L2, to be read from there when its attention comes. Out of line: the layer loop
-// keeps its registers.
-static __device__ __noinline__ void kv_to_l2(const u64* kv, int l, int h, int pos, i64 ts,
+// The share-0 block of head h: att[h] from the SMAX shares' (max, sum, output) words, once all
+// carry ``ptag``: each share's sum and output scaled by exp(its max - the largest). Out of
+// line: the layer loop keeps its registers.
+static __device__ __noinline__ void merge_shares(const u64* parts, int h, u32 ptag, u32 tag,
+                                                 u32* att, float* buf, int tid) {
+    constexpr int W = HD + 2, N = SMAX * W, PER = (N + CT - 1) / CT;
+    static_assert(N <= SCORES && PER <= 32, "the shares' words: in the scores, a mask of them");
+    const u64* src = parts + (size_t)h * N;
+    u64 v[PER];
+    u32 pending = 0u;
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+        if (tid + j * CT < N) pending |= 1u << j;
+    while (pending != 0u) {  // a round's loads all issued before any of them is checked
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            if (pending & (1u << j)) v[j] = ld_tagged64(src + tid + j * CT);
+        u32 still = 0u;
+#pragma unroll
+        for (int j = 0; j < PER; ++j)
+            if ((pending & (1u << j)) && (u32)(v[j] >> 32) != ptag) still |= 1u << j;
+        pending = still;
+    }
+#pragma unroll
+    for (int j = 0; j < PER; ++j)
+        if (tid + j * CT < N) buf[tid + j * CT] = __uint_as_float((u32)v[j]);
+    cbar();
+    if (tid < HD) {
+        float top = buf[0];
+        for (int s = 1; s < SMAX; ++s) top = fmaxf(top, buf[s * W]);
+        float sum = 0.0f, o = 0.0f;
+        for (int s = 0; s < SMAX; ++s) {
+            const float w = __expf(buf[s * W] - top);
+            sum = fmaf(buf[s * W + 1], w, sum);
+            o = fmaf(buf[s * W + 2 + tid], w, o);
+        }
+        st_tag(att + h * HD + tid, o / sum, tag);
+    }
+    cbar();  // buf (the scores) is free again
+}
+
+// An attention block asks layer l's cached keys and values of its share (`Span`) into L2, to
+// be read from there when its attention comes. Out of line: the layer loop keeps its
+// registers.
+static __device__ __noinline__ void kv_to_l2(const u64* kv, int l, const Span& sp, i64 ts,
                                              i64 hs) {
-    const i64 base = (h / (NH / NKV)) * hs;
-    const u32 bytes = (u32)(((i64)(pos - 1) * ts + HD) * 2) & ~15u;
+    const i64 base = (sp.h / (NH / NKV)) * hs + (i64)sp.t0 * ts;
+    const u32 bytes = (u32)(((i64)(sp.cached - 1) * ts + HD) * 2) & ~15u;
     prefetch_l2(reinterpret_cast<const bf16*>(kv[l]) + base, bytes);
     prefetch_l2(reinterpret_cast<const bf16*>(kv[L + l]) + base, bytes);
 }
@@ -751,7 +853,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     int embed_rows, i64* ids, u32* R, u32* R1, u32* qkv, u32* att, u32* act,
     bf16* y, const u64* __restrict__ kv, i64 ts, i64 hs, i64* posp,
     u32* epoch_at, int cap, u32* status, i64* tokens, const i64* picking, u64* pick,
-    u64 trace_at) {
+    u64* parts, u64 trace_at) {
     extern __shared__ __align__(128) u8 smem[];
     u64* full = reinterpret_cast<u64*>(smem);
     u64* empty = full + SLOTS;
@@ -799,6 +901,10 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
     urange(INTER, b, u0[2], u1[2]);
     urange(H, b, u0[3], u1[3]);
     urange(vocab, b, v0, v1);
+    __shared__ Span s_span;  // read where used: registers in the layer loop are scarce
+    if (tid == 0) s_span = span_of(b, pos);
+    __syncthreads();
+    const Span& sp = s_span;
 
     // a trace slot of layer l (WAITED) or a stamp (TR): tools/bench_stack.py --trace, below
 #define WAITED(k) \
@@ -859,7 +965,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
             ba = __bfloat162float(qkv_bias[(size_t)l * NQKV + ca]);
             bc = __bfloat162float(qkv_bias[(size_t)l * NQKV + cb]);
         }
-        if (KV_L2 && b < NH && tid == 0 && pos > 0) kv_to_l2(s_kv, l, b, pos, ts, hs);
+        if (KV_L2 && b < NH * sp.shares && tid == 0 && sp.cached > 0) kv_to_l2(s_kv, l, sp, ts, hs);
         // norm, QKV projection, bias, rotary embedding, KV commit
         if (l > 0) gather<H>(R, prev, xs, tid);  // layer 0's: the embedding row, above
         cbar();
@@ -886,15 +992,17 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
             }
         }
         TR(3);
-        if (b < NH) {
-            const i64 base = (b / (NH / NKV)) * hs;
+        if (b < NH * sp.shares) {
+            const i64 base = (sp.h / (NH / NKV)) * hs + (i64)sp.t0 * ts;
             const bf16* kb = reinterpret_cast<const bf16*>(s_kv[l]) + base;
             const bf16* vb = reinterpret_cast<const bf16*>(s_kv[L + l]) + base;
+            const u32 ptag = 1u + tag0 + (u32)l;  // 32-bit: no wrap (`st_tag64`)
             Prefetch pf;
-            attend_prefetch(pf, pos, kb, vb, ts, tid, warp, lane);
+            attend_prefetch(pf, sp.cached, kb, vb, ts, warp, lane);
             TR(4);
-            attend(pf, b, pos, qkv, tag, kb, vb, ts, att, sc, qs, kn, vn, part, scratch, tid, warp,
-                   lane, WAITED(21));
+            attend(pf, sp, qkv, tag, ptag, kb, vb, ts, att, parts, sc, qs, kn, vn, part, scratch,
+                   tid, warp, lane, WAITED(21));
+            if (sp.shares > 1 && sp.share == 0) merge_shares(parts, sp.h, ptag, tag, att, sc, tid);
             TR(5);
         }
         // O projection and the residual
@@ -996,10 +1104,10 @@ def shared_bytes(shape: StackShape, blocks: int, t: StackTuning) -> int:
 
 # ws, wstart, norms, qkv_bias, inv_freq, head, logits, vocab, embed, embed_rows, ids, R, R1,
 # qkv, att, act, y, kv (2 L addresses), ts, hs, pos, epoch, cap, status, tokens, picking, pick
-# scratch, trace address
+# scratch, the split attention's shares, trace address
 _PARAMS = ("u8*", "u64*", "bf16*", "bf16*", "f32*", "bf16*", "f32*", "i32", "bf16*", "i32",
            "i64*", "u32*", "u32*", "u32*", "u32*", "u32*", "bf16*", "u64*", "i64", "i64", "i64*",
-           "u32*", "i32", "u32*", "i64*", "i64*", "u64*", "u64")  # fmt: skip
+           "u32*", "i32", "u32*", "i64*", "i64*", "u64*", "u64*", "u64")  # fmt: skip
 
 
 def cache_views(
@@ -1054,7 +1162,7 @@ def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
         qkv: np.ndarray, att: np.ndarray, act: np.ndarray, y: np.ndarray, kv: np.ndarray,
         ts: np.int64, hs: np.int64, pos: np.ndarray, epoch: np.ndarray, cap: np.int32,
         status: np.ndarray, tokens: np.ndarray, picking: np.ndarray, pick: np.ndarray,
-        trace: np.uint64,
+        parts: np.ndarray, trace: np.uint64,
     ) -> None:  # fmt: skip
         h, nl = shape.hidden, shape.layers
         p = int(pos[0])
@@ -1105,7 +1213,7 @@ def stack_kernel(shape: StackShape, blocks: int, tuning: StackTuning | None = No
     digest = hashlib.sha256(source.encode()).hexdigest()[:8]  # eps and scale are in the source
     return KernelSource(
         name=f"ep_stack_bf16_{tag}_b{blocks}_w{t.warps}_c{t.chunk}_m{t.min_cols}_p{t.poll}_k{t.kv_l2}_"
-        f"{digest}",
+        f"s{t.split}_{digest}",
         entry="ep_stack_bf16",
         source=source,
         params=_PARAMS,
@@ -1272,11 +1380,13 @@ class StackStep:
         )
         self.qkv, self.act = alloc(shape.qkv, np.uint32), alloc(shape.inter, np.uint32)
         self.epoch = alloc(1, np.uint32)
+        # a split attention's shares: [head][share][max, sum, output] tagged float32 words
+        self.parts = alloc(nh * attention_splits(shape, blocks) * (hd + 2), np.uint64)
         # the pick's meeting place (best key, arrivals; zeroed by each launch's last block),
         # and the 0 a launch without tokens and picking reads as its picking
         self.pick, self._unpicked = alloc(2, np.uint64), alloc(1, np.int64)
-        for buffer in (self.R, self.R1, self.att, self.qkv, self.act, self.epoch, self.pick,
-                       self._unpicked):  # fmt: skip
+        for buffer in (self.R, self.R1, self.att, self.qkv, self.act, self.epoch, self.parts,
+                       self.pick, self._unpicked):  # fmt: skip
             dev.fill(buffer, 0, stream=stream)
         self.io: StackIO | None = None
         if capacity is None:
@@ -1350,6 +1460,6 @@ class StackStep:
             self.inv_freq, self.head, io.logits, self.vocab, self.embed, self.embed_rows, io.ids,
             self.R, self.R1, self.qkv, self.att, self.act, self.y, io.kv, io.token_stride,
             io.head_stride, io.pos, self.epoch, io.capacity, self.status, tokens, picking,
-            self.pick,
+            self.pick, self.parts,
             0 if trace is None else trace.ptr, stream=stream, shared_mem=self.shared,
         )  # fmt: skip

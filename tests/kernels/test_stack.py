@@ -25,6 +25,7 @@ from ep.kernels.stack import (
     StackShape,
     StackStep,
     StackTuning,
+    attention_splits,
     block_columns,
     default_chunk,
     pack_stack,
@@ -142,6 +143,10 @@ def test_unsupported_shapes_and_sizes_are_refused_with_the_reason() -> None:
         stack_kernel(StackShape(896, 14, 3, 64, 4864, 2), 132)
     with pytest.raises(KernelArgumentError, match="chunk 2048 B must hold a column pair"):
         stack_kernel(QWEN, 132, StackTuning(chunk=2048, min_cols=1))
+    with pytest.raises(KernelArgumentError, match="split -1"):
+        stack_kernel(QWEN, 132, StackTuning(split=-1))
+    assert (attention_splits(QWEN, 132), attention_splits(SMALL, 132)) == (9, 16)  # 16 at most
+    assert attention_splits(QWEN, 20) == 1  # too few blocks: never split
     with pytest.raises(KernelArgumentError, match="16 consumer warps"):
         stack_kernel(QWEN, 132, StackTuning(warps=16))
     with pytest.raises(KernelArgumentError, match="at least two chunks of 116736 B"):
@@ -241,10 +246,13 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
     # both there (the CPU twin is the reference itself: a few positions)
     cap = 40 if kind == "cpu" else 300
     # chunk sizes and how blocks poll change no bit; another warp count splits long columns'
-    # sums otherwise
+    # sums otherwise; attention split over blocks from 17 positions (16 here), from 129 (the
+    # default) or never (0): the same bits up to the split, another sum order past it
     tunings = (StackTuning(), StackTuning(chunk=2 * default_chunk(shape)),
                StackTuning(min_cols=1), StackTuning(warps=11), StackTuning(poll=-1),
-               StackTuning(poll=50), StackTuning(kv_l2=0))  # fmt: skip
+               StackTuning(poll=50), StackTuning(kv_l2=0), StackTuning(split=16),
+               StackTuning(split=0))  # fmt: skip
+    differ: dict[int, list[int]] = {7: [], 8: []}  # positions where a split tuning's bits differ
     steps = [
         StackStep(dev, shape, layers, final, inv_freq, head, cap, stream=s, tuning=tuning)
         for tuning in tunings
@@ -265,16 +273,23 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
             logits.append(io.logits.to_host(stream=s).copy())
         for i in (1, 2, 4, 5, 6):
             assert np.array_equal(logits[0], logits[i]), f"tuning {i} disagrees at position {t}"
-        assert np.array_equal(logits[0], logits[7]), f"the two KV layouts disagree at {t}"
+        assert np.array_equal(logits[0], logits[9]), f"the two KV layouts disagree at {t}"
+        for i in (7, 8):
+            if not np.array_equal(logits[0], logits[i]):
+                differ[i].append(t)
         x = table[token].astype(np.float32)
         want = reference_step(shape, ref_layers, final, inv_freq, x, t, kc, vc)
-        for st in (steps[3], steps[0]):  # 11 warps, then the default
+        for st in (steps[3], steps[7], steps[8], steps[0]):  # 11 warps, split at 16, never
             got = st.y.to_host(stream=s).astype(np.float32)
             assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), t
         head_ref = got @ table.astype(np.float32).T
         assert np.array_equal(logits[0], logits[0].astype(BF16).astype(np.float32))  # bf16 values
         assert np.abs(logits[0] - head_ref).max() <= 1e-2 * np.abs(head_ref).max(), t
     assert int(steps[0].status.to_host(stream=s)[0]) == 0
+    if kind == "cuda":  # the bits differ only past a split, and do there (the CPU twin: never)
+        first = {7: 16, 8: StackTuning().split}  # contexts up to these are not split
+        for i, positions in differ.items():
+            assert positions and min(positions) + 1 > first[i], (i, positions[:5])
 
     # a captured launch replays to the eager launch's bits (epochs differ, the step does not)
     st = steps[0]
