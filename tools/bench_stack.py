@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ep.device import get_device
     from ep.kernels import sample
-    from ep.kernels.stack import SCORES, StackShape, StackStep, StackTuning, reference_step
+    from ep.kernels.stack import StackShape, StackStep, StackTuning, reference_step
     from ep.model import load_model
     from ep.ops.rotary import _inv_freq
 
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                             (f"loop {tag}: kernel picking", True)):  # fmt: skip
             io = dataclasses.replace(st.io, pos=dev.alloc(1, np.int64, stream=stream))
             if picks:
-                picked = dev.alloc(SCORES + 1, np.int64, stream=stream)
+                picked = dev.alloc(st.positions + 1, np.int64, stream=stream)
                 io = dataclasses.replace(io, tokens=picked, picking=picking)
             with dev.capture(stream=stream) as cap:
                 st.launch(stream=stream, io=io)

@@ -64,6 +64,7 @@ __all__ = [
     "cache_views",
     "default_chunk",
     "kv_addresses",
+    "max_positions",
     "pack_stack",
     "reference_step",
     "shared_bytes",
@@ -74,7 +75,7 @@ __all__ = [
 BF16 = np.dtype(ml_dtypes.bfloat16)
 CW = 8  # consumer warps; one more warp produces
 SLOTS = 32  # the most chunks in flight (mbarrier pairs)
-SCORES = 2048  # positions one attention pass holds in shared memory: the largest capacity
+SCORES = 2048  # positions one attention pass holds in shared memory (a block's share of them)
 PICK_MASK = 32  # the most ids a picking launch masks
 MAX_SPLITS = 16  # the most blocks one head's attention is split over
 SHARED = 232448  # the most shared memory a block may have on sm_90 (227 KiB)
@@ -121,8 +122,9 @@ class StackShape:
             problems.append(f"{self.heads} heads over {self.kv_heads} KV heads (not a multiple)")
         if self.hidden % 8 or self.inter % 8:
             problems.append("hidden and intermediate sizes must be multiples of 8")
-        if tuning.split < 0:
-            problems.append(f"split {tuning.split} (0: never, or a context length)")
+        if not 0 <= tuning.split <= SCORES:
+            problems.append(f"split {tuning.split} (0: never, or a context length up to "
+                            f"{SCORES}: one block holds an unsplit context's scores)")  # fmt: skip
         if not 1 <= warps <= 15 or tuning.min_cols < 1:
             problems.append(f"{warps} consumer warps (1 to 15) and chunks of {tuning.min_cols} "
                             "columns at least (1 or more)")  # fmt: skip
@@ -180,6 +182,13 @@ def attention_splits(shape: StackShape, blocks: int) -> int:
     """Blocks a head's attention is split over past `StackTuning.split`: as many as the grid
     has for every head, at most `MAX_SPLITS` (1: too few blocks to split)."""
     return max(1, min(blocks // shape.heads, MAX_SPLITS))
+
+
+def max_positions(shape: StackShape, blocks: int, tuning: StackTuning) -> int:
+    """The longest context a launch takes (positions 0 .. n - 1): `SCORES`, or `SCORES` a share
+    where attention splits (`StackTuning.split`)."""
+    splits = attention_splits(shape, blocks)
+    return SCORES * splits if tuning.split > 0 and splits > 1 else SCORES
 
 
 def _range(units: int, b: int, blocks: int) -> tuple[int, int]:
@@ -242,7 +251,7 @@ def _cuda(shape: StackShape, blocks: int, t: StackTuning, ring: int) -> str:
         "MIN_COLS": t.min_cols, "SLOTS": SLOTS, "RING": ring, "CW": t.warps, "SCORES": SCORES,
         "RESMAX": _resmax(shape, blocks, t), "TRACE_STAMPS": TRACE_STAMPS, "POLL": t.poll,
         "PICK_MASK": PICK_MASK, "KV_L2": t.kv_l2, "SPLIT_AT": t.split,
-        "SMAX": attention_splits(shape, blocks),
+        "SMAX": attention_splits(shape, blocks), "MAXPOS": max_positions(shape, blocks, t),
     }  # fmt: skip
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
     scale = float(np.float32(shape.attention_scale))
@@ -883,7 +892,7 @@ extern "C" __global__ void __launch_bounds__(CT + 32, 1) ep_stack_bf16(
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         s_epoch = *reinterpret_cast<volatile u32*>(epoch_at);
         const i64 p = *posp;
-        s_pos = p < 0 || p >= cap || p >= SCORES ? -1 : (int)p;
+        s_pos = p < 0 || p >= cap || p >= MAXPOS ? -1 : (int)p;
         const i64 pk = picking[0];
         s_masked = pk < 1 ? -1 : (int)min(pk - 1, (i64)PICK_MASK);
         for (int k = 0; k < s_masked; ++k) s_mask[k] = picking[1 + k];
@@ -1150,7 +1159,7 @@ def unpack_stack(
     return layers
 
 
-def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
+def _twin(shape: StackShape, blocks: int, positions: int) -> Callable[..., None]:
     """The NumPy twin the CPU device runs: `reference_step` on the launch's buffers (the
     weights unpacked from the streams, the cache in float32 and back), the head's logits
     rounded to bf16, the epoch advanced; the tagged exchange buffers are the GPU's business."""
@@ -1166,7 +1175,7 @@ def _twin(shape: StackShape, blocks: int) -> Callable[..., None]:
     ) -> None:  # fmt: skip
         h, nl = shape.hidden, shape.layers
         p = int(pos[0])
-        if not 0 <= p < min(int(cap), SCORES):
+        if not 0 <= p < min(int(cap), positions):
             set_fault(status, KernelFault.KV_POSITION)  # the kernel does nothing
             return
         token = int(ids[0])
@@ -1218,7 +1227,7 @@ def stack_kernel(shape: StackShape, blocks: int, tuning: StackTuning | None = No
         source=source,
         params=_PARAMS,
         options=CompileOptions(cuda_headers=True),
-        cpu=_twin(shape, blocks),
+        cpu=_twin(shape, blocks, max_positions(shape, blocks, t)),
         cooperative=True,
         targets=("sm_90a",),
     )
@@ -1276,7 +1285,8 @@ class StackIO:
     layer's V cache, where element (kv head, t, d) is at kv head * ``head_stride`` + t *
     ``token_stride`` + d, for t < ``capacity``.
 
-    ``tokens`` (int64 [SCORES + 1]) and ``picking`` (int64 [1 + PICK_MASK]; both or neither):
+    ``tokens`` (int64 [`StackStep.positions` + 1]) and ``picking`` (int64 [1 + PICK_MASK]; both
+    or neither):
     while ``picking[0]`` = 1 + m (values on the device, so one captured launch serves every
     way; 0: no pick), the launch also takes the greedy pick, a device token loop's step: its
     logits at the m ids ``picking[1 .. m]`` set to -inf (a mask, as ``native_mask_ids``), their
@@ -1315,8 +1325,9 @@ class StackStep:
     ``io``, every launch gets one). The final
     norm's output lands in ``y``. The values blocks exchange live in tagged buffers zeroed here
     (no tag a launch waits for); ``epoch`` counts launches. A position outside the cache (or
-    above `SCORES`) makes the launch do nothing but set `KernelFault.KV_POSITION` in
-    ``status``; an id outside the embedding, a zero row and `KernelFault.TOKEN_ID`.
+    from ``positions`` on: `max_positions`) makes the launch do nothing but set
+    `KernelFault.KV_POSITION` in ``status``; an id outside the embedding, a zero row and
+    `KernelFault.TOKEN_ID`.
     """
 
     def __init__(
@@ -1326,10 +1337,17 @@ class StackStep:
         packed: tuple[Buffer, Buffer] | None = None, embed: Buffer | None = None,
         status: Buffer | None = None,
     ) -> None:  # fmt: skip
-        if capacity is not None and not 1 <= capacity <= SCORES:
+        from ep.kernels._common import new_status
+        from ep.kernels.matmul import sm_count
+
+        blocks = sm_count(dev)
+        self.tuning = (tuning or StackTuning()).resolved(shape)
+        self.positions = max_positions(shape, blocks, self.tuning)
+        if capacity is not None and not 1 <= capacity <= self.positions:
             raise KernelArgumentError(
-                f"persistent stack: capacity {capacity}; expected 1 to {SCORES} positions (one "
-                "attention pass in shared memory)"
+                f"persistent stack: capacity {capacity}; expected 1 to {self.positions} "
+                f"positions ({SCORES} scores a block in shared memory, attention split over "
+                f"{attention_splits(shape, blocks) if self.tuning.split else 1} blocks)"
             )
         if len(layers) != shape.layers:
             raise KernelArgumentError(
@@ -1343,12 +1361,7 @@ class StackStep:
                     f"persistent stack: {what} of {table.size} {table.dtype} values; expected "
                     f"bf16 [rows, {shape.hidden}]"
                 )
-        from ep.kernels._common import new_status
-        from ep.kernels.matmul import sm_count
-
-        blocks = sm_count(dev)
         self.dev, self.shape, self.blocks = dev, shape, blocks
-        self.tuning = (tuning or StackTuning()).resolved(shape)
         self.kernel = dev.kernel(stack_kernel(shape, blocks, self.tuning))
         self.shared = shared_bytes(shape, blocks, self.tuning)
         self.threads = 32 * self.tuning.warps + 32
@@ -1430,14 +1443,15 @@ class StackStep:
             and picking is not None
             and (
                 tokens.dtype != np.int64
-                or tokens.size < SCORES + 1
+                or tokens.size < self.positions + 1
                 or picking.dtype != np.int64
                 or picking.size < 1 + PICK_MASK
             )
         ):
             problems.append(f"tokens of {tokens.size} {tokens.dtype} and picking of "
-                            f"{picking.size} {picking.dtype}; expected int64 [{SCORES + 1}] (one a "
-                            f"position the kernel takes, and the next) and int64 "
+                            f"{picking.size} {picking.dtype}; expected int64 "
+                            f"[{self.positions + 1}] (one a position the kernel takes, and the "
+                            f"next) and int64 "
                             f"[{1 + PICK_MASK}] (the flag and the masked ids)")  # fmt: skip
         if problems:
             raise KernelArgumentError("persistent stack: " + "; ".join(problems))

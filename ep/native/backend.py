@@ -269,13 +269,12 @@ class NativeBackend:
         plan runs it) with ``fused_reason`` saying why."""
         if self._fused is None:
             return None
-        from ep.kernels.stack import SCORES
-
         geometry = self._kv.geometry
         why = fused_refusal(batch, geometry.strides if geometry is not None else None)
-        if not why and position >= SCORES:
-            why = (f"position {position}: the fused kernel's attention holds {SCORES} positions; "
-                   "the plan runs later steps")  # fmt: skip
+        positions = self._fused.step.positions
+        if not why and position >= positions:
+            why = (f"position {position}: the fused kernel's attention holds {positions} "
+                   "positions; the plan runs later steps")  # fmt: skip
         if why:
             self.fused_reason = why
             return None

@@ -14,8 +14,8 @@ streams once (a second copy of the layer weights on the device: the op-per-launc
 own for prefill), takes the head and the embedding table from the backend's weights (one copy),
 and runs a batch-1 decode step on the plan's own buffers: its input ids, positions, float32
 logits, and the KV cache's layer buffers through the layout's strides (`StackIO`). Prefill, and
-steps the kernel cannot take (a position past `SCORES`, a paged layout, another batch), stay
-with the plan.
+steps the kernel cannot take (a position from `StackStep.positions` on: 2048, or 2048 a block
+of a split attention; a paged layout; another batch), stay with the plan.
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ class FusedDecode:
         self, device: Device, program: Program, match: StackMatch, weights: Any, *,
         stream: Stream, status: Buffer,
     ) -> None:  # fmt: skip
-        from ep.kernels.stack import PICK_MASK, SCORES, StackStep
+        from ep.kernels.stack import PICK_MASK, StackStep
         from ep.ops.rotary import _inv_freq
 
         arrays = program.arrays
@@ -380,7 +380,9 @@ class FusedDecode:
         self._kv_for: tuple[int, ...] = ()
         # a picking launch's token for position p + 1 lands in tokens[p + 1]; _picking holds
         # whether launches pick and the ids they mask (StackIO), as set_picking last wrote it
-        self.tokens = device.alloc(SCORES + 1, np.int64, stream=stream, name="fused.tokens")
+        self.tokens = device.alloc(
+            self.step.positions + 1, np.int64, stream=stream, name="fused.tokens"
+        )
         self._picking = device.alloc(1 + PICK_MASK, np.int64, stream=stream, name="fused.picking")
         device.fill(self._picking, 0, stream=stream)
         self.picking: tuple[int, ...] = (0,)

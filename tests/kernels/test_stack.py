@@ -28,6 +28,7 @@ from ep.kernels.stack import (
     attention_splits,
     block_columns,
     default_chunk,
+    max_positions,
     pack_stack,
     reference_step,
     shared_bytes,
@@ -153,10 +154,23 @@ def test_unsupported_shapes_and_sizes_are_refused_with_the_reason() -> None:
         stack_kernel(QWEN, 132, StackTuning(min_cols=12))  # 12 columns of K = 4864
     assert default_chunk(QWEN) == CW * 2 * 896
     assert StackTuning(min_cols=4).resolved(QWEN).chunk_bytes(4864) == 4 * 2 * 4864
-    head = get_device("cpu").alloc(1, BF16, stream=get_device("cpu").default_stream)
-    with pytest.raises(KernelArgumentError, match=f"capacity {SCORES + 1}; expected 1 to"):
-        StackStep(get_device("cpu"), SMALL, [], np.ones(128), np.ones(32), head, SCORES + 1,
-                  stream=get_device("cpu").default_stream)  # fmt: skip
+    with pytest.raises(KernelArgumentError, match=f"split {SCORES + 1} "):
+        stack_kernel(QWEN, 132, StackTuning(split=SCORES + 1))  # an unsplit context past SCORES
+    # the longest context: SCORES a block of a split attention, SCORES unsplit
+    assert max_positions(QWEN, 132, StackTuning()) == 9 * SCORES
+    assert (
+        max_positions(QWEN, 132, StackTuning(split=0))
+        == max_positions(QWEN, 20, StackTuning())
+        == SCORES
+    )
+    cpu = get_device("cpu")  # (the H200's 132 blocks)
+    head = cpu.alloc(1, BF16, stream=cpu.default_stream)
+    for tuning, most in ((StackTuning(), 16 * SCORES), (StackTuning(split=0), SCORES)):
+        with pytest.raises(
+            KernelArgumentError, match=f"capacity {most + 1}; expected 1 to {most} "
+        ):
+            StackStep(cpu, SMALL, [], np.ones(128), np.ones(32), head, most + 1,
+                      stream=cpu.default_stream, tuning=tuning)  # fmt: skip
 
 
 def test_the_reference_step_is_the_native_executors_decoder(
@@ -319,6 +333,43 @@ def test_steps_match_the_reference_and_are_bitwise_stable(
 @pytest.mark.parametrize(
     "kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=["cpu", "cuda"]
 )
+def test_contexts_past_one_blocks_scores_split_their_attention(
+    kind: str, rng: np.random.Generator
+) -> None:
+    """A context longer than the SCORES one block holds: each of a head's 16 blocks (SMALL's
+    2 heads on 132 SMs) takes a share of it; the steps match the reference over a cache of
+    random keys and values (as if earlier steps had written them)."""
+    dev = stack_device(kind)
+    s = dev.default_stream
+    shape = SMALL
+    cap = 3 * SCORES + 5
+    layers = random_layers(shape, rng)
+    final = (1 + 0.1 * rng.standard_normal(shape.hidden, np.float32)).astype(BF16)
+    table = rng.standard_normal((300, shape.hidden), np.float32).astype(BF16)
+    inv_freq = _inv_freq(THETA, 64)
+    st = StackStep(dev, shape, layers, final, inv_freq, dev.to_device(table, stream=s), cap,
+                   stream=s)  # fmt: skip
+    assert st.io is not None and st.positions == 16 * SCORES
+    keys, values = rng.standard_normal((2, shape.layers, shape.kv_heads, cap, 64)).astype(BF16)
+    st.kc.copy_from_host(keys.reshape(-1), stream=s)
+    st.vc.copy_from_host(values.reshape(-1), stream=s)
+    kc, vc = list(keys.astype(np.float32)), list(values.astype(np.float32))
+    ref_layers = [{k: np.asarray(v, np.float32) for k, v in w.items()} for w in layers]
+    for t in (SCORES - 1, SCORES, 2 * SCORES + 7, cap - 1):
+        token = int(rng.integers(0, len(table)))
+        st.io.ids.copy_from_host(np.array([token]), stream=s)
+        st.io.pos.copy_from_host(np.array([t]), stream=s)
+        st.launch(stream=s)
+        want = reference_step(shape, ref_layers, final, inv_freq, table[token].astype(np.float32),
+                              t, kc, vc)  # fmt: skip
+        got = st.y.to_host(stream=s).astype(np.float32)
+        assert np.abs(got - want).max() <= 2e-2 * np.abs(want).max(), t
+    assert int(st.status.to_host(stream=s)[0]) == 0
+
+
+@pytest.mark.parametrize(
+    "kind", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)], ids=["cpu", "cuda"]
+)
 def test_a_picking_launch_takes_the_greedy_pick(kind: str, rng: np.random.Generator) -> None:
     """A device-loop step in one launch: while ``picking`` holds 1 + m, the argmax of its
     logits with the m ids after the flag masked (every logit twice, at 2i and 2i + 1, often in
@@ -336,7 +387,7 @@ def test_a_picking_launch_takes_the_greedy_pick(kind: str, rng: np.random.Genera
     head = dev.to_device(table, stream=s)
     st = StackStep(dev, shape, layers, final, _inv_freq(THETA, 64), head, 16, stream=s)
     assert st.io is not None
-    tokens = dev.alloc(SCORES + 1, np.int64, stream=s)
+    tokens = dev.alloc(st.positions + 1, np.int64, stream=s)
     picking = dev.alloc(1 + PICK_MASK, np.int64, stream=s)
     dev.fill(tokens, -1, stream=s)
     dev.fill(picking, 0, stream=s)
@@ -380,5 +431,5 @@ def test_a_picking_launch_takes_the_greedy_pick(kind: str, rng: np.random.Genera
     captured.graph.close()
     with pytest.raises(KernelArgumentError, match="a pick needs both tokens and picking"):
         st.check_io(dataclasses.replace(st.io, tokens=tokens))
-    with pytest.raises(KernelArgumentError, match=f"expected int64 \\[{SCORES + 1}\\]"):
-        st.check_io(dataclasses.replace(io, tokens=dev.alloc(SCORES, np.int64, stream=s)))
+    with pytest.raises(KernelArgumentError, match=f"expected int64 \\[{st.positions + 1}\\]"):
+        st.check_io(dataclasses.replace(io, tokens=dev.alloc(st.positions, np.int64, stream=s)))

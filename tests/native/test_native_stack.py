@@ -142,14 +142,14 @@ def test_fused_logits_are_the_same_bits_in_every_layout_eager_and_captured(
 def test_a_step_past_the_kernels_attention_hands_over_to_the_plan(
     models: Callable[..., DecoderModel], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SCORES lowered to 10: positions 10 and on are the plan's. The kept fused graph is then
-    invalidated (its signature is not the plan's) and the plan's graph captured; the tokens are
-    the plan's all along."""
+    """The kernel's longest context lowered to 10: positions 10 and on are the plan's. The kept
+    fused graph is then invalidated (its signature is not the plan's) and the plan's graph
+    captured; the tokens are the plan's all along."""
     import ep.kernels.stack
 
     model = models()
     plan_tokens, _ = decode(backend(model, "off"))
-    monkeypatch.setattr(ep.kernels.stack, "SCORES", 10)
+    monkeypatch.setattr(ep.kernels.stack, "max_positions", lambda *args: 10)
     fused = backend(model, "on")
     tokens, _ = decode(fused)
     assert tokens == plan_tokens
@@ -200,7 +200,8 @@ def test_the_fused_step_takes_the_greedy_loops_pick(
     draw.steps(draw.first_tokens(), 4, sampling=SamplingParams(temperature=0.8, seed=1))
     assert draw.fused_metrics["steps"] == 4 and draw.fused_metrics["picks"] == 0
 
-    monkeypatch.setattr(ep.kernels.stack, "SCORES", 10)  # positions 10 on: the plan's
+    # positions 10 on: the plan's
+    monkeypatch.setattr(ep.kernels.stack, "max_positions", lambda *args: 10)
     handed = backend(model, "on")
     handed.prefill([PROMPT])
     tokens = handed.steps(handed.first_tokens(), 6)[:, 0].tolist()
