@@ -23,7 +23,9 @@ norm and a tied or untied head in one cooperative launch of one block an SM:
   this took the step from 0.58 to 0.53 ms against counters with release/acquire.
 - Every block normalises the residual row for itself (hidden elements from L2); attention runs
   on one block a query head, which loads the cached positions' keys and values before its
-  inputs arrive; the head's logits are stored as bf16 values (float32).
+  inputs arrive, or past `StackTuning.split` positions on `attention_splits` blocks a head, each
+  over a share of the positions, one of which merges their results (so a context may run to
+  `max_positions`: `SCORES` a block); the head's logits are stored as bf16 values (float32).
 - With ``tokens`` and a picking flag on the device (`StackIO`), the launch also takes the
   greedy pick of a device token loop (up to `PICK_MASK` ids masked first): each block's best
   (logit, index) key meets the others' by atomicMax, and the last block to arrive writes the id
@@ -1286,12 +1288,12 @@ class StackIO:
     ``token_stride`` + d, for t < ``capacity``.
 
     ``tokens`` (int64 [`StackStep.positions` + 1]) and ``picking`` (int64 [1 + PICK_MASK]; both
-    or neither):
-    while ``picking[0]`` = 1 + m (values on the device, so one captured launch serves every
-    way; 0: no pick), the launch also takes the greedy pick, a device token loop's step: its
-    logits at the m ids ``picking[1 .. m]`` set to -inf (a mask, as ``native_mask_ids``), their
-    argmax (``np.argmax``'s: the lowest index on ties) is the next step's input (``ids`` <- the
-    id, ``pos`` + 1) and the token at that position (``tokens[pos + 1]``)."""
+    or neither): while ``picking[0]`` = 1 + m (values on the device, so one captured launch
+    serves every way; 0: no pick), the launch also takes the greedy pick, a device token loop's
+    step: its logits at the m ids ``picking[1 .. m]`` set to -inf (a mask, as
+    ``native_mask_ids``), their argmax (``np.argmax``'s: the lowest index on ties) is the next
+    step's input (``ids`` <- the id, ``pos`` + 1) and the token at that position
+    (``tokens[pos + 1]``)."""
 
     ids: Buffer
     pos: Buffer
