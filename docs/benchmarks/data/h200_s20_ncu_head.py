@@ -18,7 +18,8 @@ ws = matmul.matmul_workspace(dev, stream=s)
 for m in (1, 4, 16):
     x = dev.to_device(rng.standard_normal((m, K), np.float32).astype(ml_dtypes.bfloat16), stream=s)
     out = dev.alloc((m, N), ml_dtypes.bfloat16, stream=s)
-    plan = matmul.gemm(dev, out, x, w, M=m, N=N, K=K, transpose_b=1, stream=s, workspace=ws,
-                       resident=True)
+    plan = matmul.gemm(
+        dev, out, x, w, M=m, N=N, K=K, transpose_b=1, stream=s, workspace=ws, resident=True
+    )
     s.sync()
     print(m, plan)
