@@ -313,9 +313,9 @@ static __device__ __forceinline__ uint4 ld_tagged(const u32* p) {
     return v;
 }
 // A float32 and a 32-bit tag in one 64-bit word (a split attention's partial results, which
-// need more than bf16): the same protocol, with tags that do not wrap (`part_tag`), because
-// these words are written only by launches that split, so a reader may meet one from any
-// launch before.
+// need more than bf16): the same protocol, with tags that do not wrap (``ptag`` in the layer
+// loop: 1 + epoch L + layer), because these words are written only by launches that split, so
+// a reader may meet one from any launch before.
 static __device__ __forceinline__ void st_tag64(u64* p, float v, u32 tag) {
     const u64 w = ((u64)tag << 32) | (u64)__float_as_uint(v);
     asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(w) : "memory");
@@ -1349,7 +1349,7 @@ class StackStep:
             raise KernelArgumentError(
                 f"persistent stack: capacity {capacity}; expected 1 to {self.positions} "
                 f"positions ({SCORES} scores a block in shared memory, attention split over "
-                f"{attention_splits(shape, blocks) if self.tuning.split else 1} blocks)"
+                f"{self.positions // SCORES} blocks)"
             )
         if len(layers) != shape.layers:
             raise KernelArgumentError(
