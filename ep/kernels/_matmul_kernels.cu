@@ -681,9 +681,11 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
 // FULL (dense weights only: `DenseRows::load_full`): weights and x 16-byte aligned and K % 32 ==
 // 0, so no chunk of a step is partial: every load is one predicated instruction (no bounds
 // checks, no branches around them), and at M <= 8 the x chunks of a round are loaded at once;
-// TWO (FULL only): M > 8. The loaded bytes, and so the arithmetic, are the general path's.
+// TWO (FULL only): M > 8, x rows g + 8 too, a step at a time, or with AHEAD2 (``ep_gemv_nk16``,
+// a kernel of its own: 2 U more chunks in registers, bounded to 3 blocks an SM) the round's
+// chunks of both rows at once. The loaded bytes, and so the arithmetic, are the general path's.
 
-template <typename T, class P, int U, bool FULL, bool TWO, class C>
+template <typename T, class P, int U, bool FULL, bool TWO, bool AHEAD2 = false, class C>
 __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T* __restrict__ x,
                                          float* ws, u32* counters, int M, int N, int K, int kw,
                                          int gy, u32 flags, const C& oc) {
@@ -778,15 +780,15 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
       ready();
       // FULL: the x chunks of all U steps are loaded before the first MMA (one round trip to
       // L2 for the activations the previous kernel wrote, not one a step).
-      // (M > 8 loads x rows g + 8 too, a step at a time: U more chunks would cost registers.)
-      constexpr bool AHEAD = FULL && !TWO;
-      uint4 xs[AHEAD ? U : 1];
+      constexpr bool AHEAD = FULL && (!TWO || AHEAD2);
+      uint4 xs[AHEAD ? U : 1], xh[AHEAD && TWO ? U : 1];
       if constexpr (AHEAD) {
         static_assert(P::kUnits == 1, "FULL: dense rows, one unit a step");
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int i = i0 + u * slices;
           xs[u] = ld_act_if(xa + wp.unit_k(i, t, 0), a_ok && i < steps);
+          if constexpr (TWO) xh[u] = ld_act_if(xb + wp.unit_k(i, t, 0), b_ok && i < steps);
         }
       }
 #pragma unroll
@@ -798,7 +800,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
         for (int v = 0; v < P::kUnits; ++v) {
           if constexpr (AHEAD) {
             a[v] = xs[u];
-            b[v] = zero4();
+            b[v] = TWO ? xh[u] : zero4();
           } else if constexpr (FULL) {
             const int kk = wp.unit_k(i, t, v);
             a[v] = ld_act_if(xa + kk, a_ok);

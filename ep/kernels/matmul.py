@@ -15,6 +15,9 @@ kernel                    what and launch geometry
                           to 16 as A); fp32: SIMT FMAs and two shuffles. Aligned rows with
                           K % 32 == 0 take a FULL path: predicated loads without bounds checks,
                           at M <= 8 a round's x chunks loaded at once (the same sums).
+``ep_gemv_nk16_<dt>``     decode, dense W [N, K], fp16/bf16, 9..16 rows: ``nk``'s arithmetic with
+                          a round's x chunks of rows g and g + 8 loaded at once, in a kernel of
+                          its own (80 registers, 3 blocks an SM; `_rows16` says where).
 ``ep_gemv_nk_v2_<dt>``    decode, dense W [N, K], fp16/bf16, planned only with a size rule set
                           (see below): a tile is 8 weight rows (the MMA's B
                           operand, as in ``nk``), a block of kw = min(16, ceil(K/256)) warps works
@@ -82,11 +85,12 @@ timing, so a row's result is bitwise the same at any M <= 16 and on every run. U
 per stream. Without a workspace (``gy = 1``) results differ from those with one in rounding only.
 
 The v2 GEMVs and ``GENAI_EP_GEMV`` (`GEMV_ENV`, read at every plan: one switch for every
-format). ``v1`` plans only the earlier GEMVs (split-K ``ep_gemv_<fmt>`` and ``_stream_``), for A/B
-runs (``tools/bench_kernels.py --gemv v1,v2`` times both in one run); ``v2`` or unset plans a
-``_v2_`` kernel where the plan picks it, the earlier kernels elsewhere (`MatmulPlan.reason` says
-why v2 was not taken). fp16/bf16 only, 16-byte aligned weights only (unaligned weights take the
-earlier kernels: other rounding of the sums, same weights):
+format). ``v1`` plans only the earlier GEMVs (split-K ``ep_gemv_<fmt>``, also at 9..16 rows, and
+``_stream_``), for A/B runs (``tools/bench_kernels.py --gemv v1,v2`` times both in one run);
+``v2`` or unset plans a ``_v2_`` kernel (and ``ep_gemv_nk16``) where the plan picks it, the
+earlier kernels elsewhere (`MatmulPlan.reason` says why v2 was not taken). fp16/bf16 only,
+16-byte aligned weights only (unaligned weights take the earlier kernels: other rounding of the
+sums, same weights):
 
 * q4 (block >= 32) / MXFP4: the whole weight has a 16-row group for each of the GPU's warps (the
   vocabulary projection) and x for 16 rows fits `_V2_MAX_SHARED`. A row's arithmetic depends on
@@ -186,6 +190,15 @@ _STREAM_BLOCKS_PER_SM = 5
 # kernel took 47.8/48.1/65.0 us at M=1/4/16 against 40.7/42.5/74.2 for the split-K one; q4
 # streaming took 45.7/46.0/68.8 against 45.9/47.9/96.9.
 _STREAM_FORMATS: tuple[str, ...] = ("q4",)
+# The dense fp16/bf16 GEMV at 9..16 rows (``ep_gemv_nk16_<dt>``): `row_gemv` with the round's
+# x chunks of rows g and g + 8 loaded at once (AHEAD2), a kernel of its own so that its 80
+# registers (3 blocks an SM) leave ``ep_gemv_nk``'s code at 1..8 rows as it was (the same
+# cubin). H200, bf16, 16 rows, us a launch in a chain, nk / nk16 (docs/benchmarks/h200.md):
+# 896x896 2.76 / 2.45, 896x1152 2.85 / 2.54, 896x9728 9.82 / 7.52, 896x151936 101.2 / 76.8;
+# but 4864x896 6.46 / 8.14: its 448 blocks are one wave at 4 blocks an SM and not at 3, so a
+# grid of that kind keeps ``ep_gemv_nk`` (`_rows16`). Bounded to 4 blocks an SM (64 registers)
+# nk16 lost elsewhere: the 0.5B decode graph at batch 16 took 0.819 ms a step against 0.790.
+_ROWS16_BLOCKS_PER_SM = 3
 # The v2 GEMVs (``ep_gemv_<fmt>_v2_<dt>``, fp16/bf16; the .cu file has their designs).
 # GENAI_EP_GEMV=v1 plans the earlier kernels only (split-K and streaming GEMVs), for A/B runs.
 GEMV_ENV = "GENAI_EP_GEMV"
@@ -258,12 +271,19 @@ _SWIGLU_EPILOGUE: GemvEpilogue = (
 
 
 def _gemv_entry(
-    fmt: str, name: str, unroll: int, fp32: bool, epilogue: GemvEpilogue | None = None
+    fmt: str,
+    name: str,
+    unroll: int,
+    fp32: bool,
+    epilogue: GemvEpilogue | None = None,
+    rows16: bool = False,
 ) -> str:
     """The split-K GEMV; with ``epilogue`` its twin with that column map and those parameters
-    (`GemvEpilogue`)."""
+    (`GemvEpilogue`); ``rows16``: the dense fp16/bf16 one for 9..16 rows (``ep_gemv_nk16``)."""
     sizes = _Q4_SIZES if fmt == "q4" else "int M, int N, int K"
     blocks = 3 if fmt in ("q4", "mx4") and not fp32 else 1  # 3 blocks an SM: <= 85 registers
+    if rows16:
+        blocks = _ROWS16_BLOCKS_PER_SM
     head = f'extern "C" __global__ void __launch_bounds__({_GEMV_THREADS}, {blocks}) {name}('
     if fmt == "kn":
         return (
@@ -278,7 +298,13 @@ def _gemv_entry(
     if epilogue is not None:  # column groups of 8 (row_gemv) or 16 (row_gemv_wt)
         extra, cols = epilogue[0], epilogue[1](8 if body == "row_gemv" else 16)
     args = "(p, y, x, ws, counters, M, N, K, kw, gy, flags, oc);"
-    if fmt == "nk":  # aligned rows and K % 32 == 0: the branch-free FULL loads (the .cu)
+    if rows16:  # 9..16 rows: the x chunks of rows g and g + 8 of a round at once
+        call = (
+            "if ((flags & EPK_W16) && (flags & EPK_X16) && (K & 31) == 0) {\n"
+            f"    epk::row_gemv<T, {ptype}, {unroll}, true, true, true>{args}\n  }} else {{\n"
+            f"    epk::row_gemv<T, {ptype}, {unroll}, false, false>{args}\n  }}"
+        )
+    elif fmt == "nk":  # aligned rows and K % 32 == 0: the branch-free FULL loads (the .cu)
         call = (
             "if ((flags & EPK_W16) && (flags & EPK_X16) && (K & 31) == 0) {\n"
             f"    if (M > 8) epk::row_gemv<T, {ptype}, {unroll}, true, true>{args}\n"
@@ -547,6 +573,19 @@ def _register() -> dict[str, KernelSource]:
                 )
             if fp32 or fmt == "kn":
                 continue
+            if fmt == "nk":  # 9..16 rows
+                name = f"ep_gemv_nk16_{suffix}"
+                entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, rows16=True)
+                out[name] = register_kernel(
+                    KernelSource(
+                        name=name,
+                        source=f"{body}\ntypedef {ctype} T;\n{entry}",
+                        params=tuple(p.replace("T*", f"{suffix}*") for p in _GEMV_PARAMS[fmt]),
+                        options=options,
+                        cpu=_twin(fmt, True),
+                        pdl_wait="kernel",
+                    )
+                )
             # dense [N, K]: v2; q4/mx4: streaming and v2
             families: list[tuple[str, Callable[[str, str], str]]] = [("v2", _v2_entry)]
             if fmt != "nk":
@@ -587,9 +626,11 @@ def register_gemv_epilogue(
     out: dict[str, KernelSource] = {}
     for suffix, ctype in _DTYPES.values():
         fp32 = suffix == "f32"
-        for fmt in ("nk", "q4", "mx4"):
-            name = f"ep_gemv_{fmt}_{kind}_{suffix}"
-            entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, epilogue)
+        for fmt, rows16 in [("nk", False), ("q4", False), ("mx4", False)] + (
+            [] if fp32 else [("nk", True)]
+        ):
+            name = f"ep_gemv_{fmt}{'16' if rows16 else ''}_{kind}_{suffix}"
+            entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, epilogue, rows16)
             out[name] = register_kernel(
                 KernelSource(
                     name=name,
@@ -720,10 +761,11 @@ def plan_matmul(
 ) -> MatmulPlan:
     """The kernel and launch geometry for one call.
 
-    M decides GEMV vs GEMM and, for dense weights, whether the v2 GEMV runs (`_plan_v2`); nothing
-    else looks at M. The GEMV's K split depends on N, K, the format, the workspace and
-    ``sm_count`` only, so the arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS` within
-    one kernel. ``split_n``: this call is N columns of a weight with ``split_n`` output columns (a
+    M decides GEMV vs GEMM, for dense weights whether the v2 GEMV runs (`_plan_v2`), and for
+    dense fp16/bf16 past 8 rows ``ep_gemv_nk16`` (`_rows16`: the same sums as ``ep_gemv_nk``);
+    nothing else looks at M. The GEMV's K split depends on N, K, the format, the workspace and
+    ``sm_count`` only, so the arithmetic for a row is the same at every M <= `GEMV_MAX_ROWS`.
+    ``split_n``: this call is N columns of a weight with ``split_n`` output columns (a
     streamed piece); the kernel and the K split are chosen as a launch of all ``split_n`` columns
     would choose them, so every column gets the arithmetic of the unsplit product. ``aligned``:
     the weight rows allow 16-byte loads (aligned base, row bytes a multiple of 16);
@@ -820,12 +862,19 @@ def plan_matmul(
         why += f"; K split of the whole {whole} columns"
     grid_x = -(-groups // (8 // kw))
     _need(grid_x <= 2**31 - 1, "matmul", f"N={N} needs {grid_x} blocks; too many")
+    kernel_fmt: str = fmt
+    if fmt == "nk" and not fp32 and M > 8 and gemv_version() == "v2":
+        if _rows16(grid_x * gy, sm_count):
+            kernel_fmt = "nk16"
+            why += f"; {M} rows: x rows g and g + 8 of a round at once (nk16)"
+        else:
+            why += f"; nk16 not taken: {grid_x * gy} blocks are one wave at 4 blocks an SM only"
     if epilogue == "swiglu":
         why += f"; SwiGLU epilogue: y is [M, {N // 2}]"
     elif epilogue is not None:
         why += f"; {epilogue} epilogue"
     return MatmulPlan(
-        f"ep_gemv_{fmt}_{epilogue}_{suffix}" if epilogue else f"ep_gemv_{fmt}_{suffix}",
+        f"ep_gemv_{kernel_fmt}{f'_{epilogue}' if epilogue else ''}_{suffix}",
         "gemv",
         (grid_x, gy, 1),
         _GEMV_THREADS,
@@ -834,6 +883,13 @@ def plan_matmul(
         f"M={M} <= {GEMV_MAX_ROWS}: GEMV, {groups} groups of {cols} columns x {kw * gy} K slices "
         f"({kw} warps x {gy} blocks; {steps} steps of K per group); {why}{v2_skipped}",
     )
+
+
+def _rows16(blocks: int, sm_count: int) -> bool:
+    """Whether a dense fp16/bf16 GEMV of ``blocks`` blocks runs ``ep_gemv_nk16`` at 9..16 rows:
+    unless its blocks are one wave of ``ep_gemv_nk`` (4 an SM) but not of nk16 (3 an SM), whose
+    second wave would start only as the first drains (`_ROWS16_BLOCKS_PER_SM`)."""
+    return not _ROWS16_BLOCKS_PER_SM * sm_count < blocks <= _DENSE_BLOCKS_PER_SM * sm_count
 
 
 def split_k_gemv(plan: MatmulPlan) -> bool:

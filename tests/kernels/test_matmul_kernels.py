@@ -113,13 +113,17 @@ def test_every_matmul_kernel_compiles_to_sm90_cubin(tmp_path: Path) -> None:
         report = compile_kernel(source, "sm_90", cache=cache).report
         assert report.cubin_bytes > 0, name
     # {gemv, gemm} x {nk, kn, q4, mx4} x {f32, f16, bf16}, the streaming and v2 q4/mx4 GEMVs,
-    # the dense v2 GEMV (fp16/bf16) and the SwiGLU-epilogue GEMVs ({nk, q4, mx4} x every dtype)
-    assert len(MATMUL_KERNELS) == 24 + 4 + 4 + 2 + 9
+    # the dense v2 GEMV (fp16/bf16), the SwiGLU-epilogue GEMVs ({nk, q4, mx4} x every dtype) and
+    # the dense 9..16-row GEMV, plain and with SwiGLU (fp16/bf16)
+    assert len(MATMUL_KERNELS) == 24 + 4 + 4 + 2 + 9 + 4
     assert {n for n in MATMUL_KERNELS if "_v2_" in n} == {
         f"ep_gemv_{fmt}_v2_{dt}" for fmt in ("nk", "q4", "mx4") for dt in ("f16", "bf16")
     }
     assert {n for n in MATMUL_KERNELS if "_swiglu_" in n} == {
         f"ep_gemv_{fmt}_swiglu_{dt}" for fmt in ("nk", "q4", "mx4") for dt in ("f32", "f16", "bf16")
+    } | {f"ep_gemv_nk16_swiglu_{dt}" for dt in ("f16", "bf16")}
+    assert {n for n in MATMUL_KERNELS if "_nk16_" in n} == {
+        f"ep_gemv_nk16_{kind}{dt}" for kind in ("", "swiglu_") for dt in ("f16", "bf16")
     }
 
 
@@ -1357,7 +1361,8 @@ def test_dense_v2_is_planned_nowhere_by_default_and_by_weight_size_when_opened(
         for K, N in H200_DENSE_V2_WINS:
             for M in range(1, GEMV_MAX_ROWS + 1):
                 plan = plan_matmul("nk", dtype, M=M, N=N, K=K, workspace=ws, sm_count=132)
-                assert plan.kernel == f"ep_gemv_nk_{_suffix(dtype)}", (K, N, M)
+                fmts = ("nk", "nk16") if M > 8 else ("nk",)  # 9..16 rows: test_matmul_rows16
+                assert plan.kernel in [f"ep_gemv_{f}_{_suffix(dtype)}" for f in fmts], (K, N, M)
                 assert "v2 not taken: " in plan.reason
     assert "planned nowhere" in plan_matmul("nk", BF16, M=1, N=9728, K=896).reason
     monkeypatch.setattr(matmul, "_V2_DENSE_MIN_ELEMENTS", 4 << 20)
