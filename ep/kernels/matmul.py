@@ -195,9 +195,10 @@ _STREAM_FORMATS: tuple[str, ...] = ("q4",)
 # registers (3 blocks an SM) leave ``ep_gemv_nk``'s code at 1..8 rows as it was (the same
 # cubin). H200, bf16, 16 rows, us a launch in a chain, nk / nk16 (docs/benchmarks/h200.md):
 # 896x896 2.76 / 2.45, 896x1152 2.85 / 2.54, 896x9728 9.82 / 7.52, 896x151936 101.2 / 76.8;
-# but 4864x896 6.46 / 8.14: its 448 blocks are one wave at 4 blocks an SM and not at 3, so a
-# grid of that kind keeps ``ep_gemv_nk`` (`_rows16`). Bounded to 4 blocks an SM (64 registers)
-# nk16 lost elsewhere: the 0.5B decode graph at batch 16 took 0.819 ms a step against 0.790.
+# but 4864x896 6.46 / 8.1 (these loads in a first version): its 448 blocks are one wave at 4
+# blocks an SM, not at 3, so a grid of that kind keeps ``ep_gemv_nk`` (`_rows16`). Bounded to 4
+# blocks an SM (64 registers) nk16 lost elsewhere: the 0.5B decode graph at batch 16 took 0.819
+# ms a step against 0.790.
 _ROWS16_BLOCKS_PER_SM = 3
 # The v2 GEMVs (``ep_gemv_<fmt>_v2_<dt>``, fp16/bf16; the .cu file has their designs).
 # GENAI_EP_GEMV=v1 plans the earlier kernels only (split-K and streaming GEMVs), for A/B runs.
@@ -319,6 +320,11 @@ def _gemv_entry(
         f"{head}T* y, const T* x, {weights}, float* ws, u32* counters, {sizes}, int kw, int gy, "
         f"u32 flags{extra}) {{\n  {policy}\n  {cols}\n  {call}\n}}\n"
     )
+
+
+def _rows16_entry(fmt: str, name: str) -> str:
+    """``ep_gemv_nk16`` (dense fp16/bf16, 9..16 rows): the split-K GEMV's parameters."""
+    return _gemv_entry(fmt, name, _UNROLL[(fmt, False)], False, rows16=True)
 
 
 def _stream_entry(fmt: str, name: str) -> str:
@@ -573,25 +579,17 @@ def _register() -> dict[str, KernelSource]:
                 )
             if fp32 or fmt == "kn":
                 continue
-            if fmt == "nk":  # 9..16 rows
-                name = f"ep_gemv_nk16_{suffix}"
-                entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, rows16=True)
-                out[name] = register_kernel(
-                    KernelSource(
-                        name=name,
-                        source=f"{body}\ntypedef {ctype} T;\n{entry}",
-                        params=tuple(p.replace("T*", f"{suffix}*") for p in _GEMV_PARAMS[fmt]),
-                        options=options,
-                        cpu=_twin(fmt, True),
-                        pdl_wait="kernel",
-                    )
-                )
-            # dense [N, K]: v2; q4/mx4: streaming and v2
+            # dense [N, K]: 9..16 rows (waits for the previous kernel itself, as the split-K
+            # GEMV does) and v2; q4/mx4: streaming and v2
             families: list[tuple[str, Callable[[str, str], str]]] = [("v2", _v2_entry)]
             if fmt != "nk":
                 families.insert(0, ("stream", _stream_entry))
-            for family, make in families:
-                name = f"ep_gemv_{fmt}_{family}_{suffix}"
+            kernels: list[tuple[str, Callable[[str, str], str], Literal["entry", "kernel"]]] = [
+                (f"ep_gemv_{fmt}_{family}_{suffix}", make, "entry") for family, make in families
+            ]
+            if fmt == "nk":
+                kernels.insert(0, (f"ep_gemv_nk16_{suffix}", _rows16_entry, "kernel"))
+            for name, make, wait in kernels:
                 out[name] = register_kernel(
                     KernelSource(
                         name=name,
@@ -599,6 +597,7 @@ def _register() -> dict[str, KernelSource]:
                         params=tuple(p.replace("T*", f"{suffix}*") for p in _GEMV_PARAMS[fmt]),
                         options=options,
                         cpu=_twin(fmt, True),
+                        pdl_wait=wait,
                     )
                 )
     # the split-K GEMV with a SwiGLU epilogue (`SwigluCols` in the .cu): + inter, interleaved
@@ -893,8 +892,8 @@ def _rows16(blocks: int, sm_count: int) -> bool:
 
 
 def split_k_gemv(plan: MatmulPlan) -> bool:
-    """Whether ``plan`` runs a split-K GEMV ``ep_gemv_<fmt>_<dt>`` (the kernels that have
-    epilogue twins), not a v2, streaming or epilogue GEMV nor a GEMM."""
+    """Whether ``plan`` runs a split-K GEMV ``ep_gemv_<fmt>_<dt>`` (with ``ep_gemv_nk16_<dt>``:
+    the kernels that have epilogue twins), not a v2, streaming or epilogue GEMV nor a GEMM."""
     return plan.kind == "gemv" and plan.kernel.count("_") == 3
 
 
