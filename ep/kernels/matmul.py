@@ -299,21 +299,19 @@ def _gemv_entry(
     if epilogue is not None:  # column groups of 8 (row_gemv) or 16 (row_gemv_wt)
         extra, cols = epilogue[0], epilogue[1](8 if body == "row_gemv" else 16)
     args = "(p, y, x, ws, counters, M, N, K, kw, gy, flags, oc);"
-    if rows16:  # 9..16 rows: the x chunks of rows g and g + 8 of a round at once
+    general = f"epk::row_gemv<T, {ptype}, {unroll}, false, false>{args}"
+    if fmt == "nk":  # aligned rows and K % 32 == 0: the branch-free FULL loads (the .cu)
+        full = f"epk::row_gemv<T, {ptype}, {unroll}, true"
+        if rows16:  # 9..16 rows: the x chunks of rows g and g + 8 of a round at once
+            full = f"{full}, true, true>{args}"
+        else:
+            full = f"if (M > 8) {full}, true>{args}\n    else {full}, false>{args}"
         call = (
             "if ((flags & EPK_W16) && (flags & EPK_X16) && (K & 31) == 0) {\n"
-            f"    epk::row_gemv<T, {ptype}, {unroll}, true, true, true>{args}\n  }} else {{\n"
-            f"    epk::row_gemv<T, {ptype}, {unroll}, false, false>{args}\n  }}"
-        )
-    elif fmt == "nk":  # aligned rows and K % 32 == 0: the branch-free FULL loads (the .cu)
-        call = (
-            "if ((flags & EPK_W16) && (flags & EPK_X16) && (K & 31) == 0) {\n"
-            f"    if (M > 8) epk::row_gemv<T, {ptype}, {unroll}, true, true>{args}\n"
-            f"    else epk::row_gemv<T, {ptype}, {unroll}, true, false>{args}\n  }} else {{\n"
-            f"    epk::row_gemv<T, {ptype}, {unroll}, false, false>{args}\n  }}"
+            f"    {full}\n  }} else {{\n    {general}\n  }}"
         )
     elif body == "row_gemv":
-        call = f"epk::row_gemv<T, {ptype}, {unroll}, false, false>{args}"
+        call = general
     else:
         call = f"epk::row_gemv_wt<T, {ptype}, {unroll}>{args}"
     return (
