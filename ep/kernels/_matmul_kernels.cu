@@ -685,7 +685,8 @@ __device__ __forceinline__ void gemv_finish(float (*red)[16][COLS], T* __restric
 // a kernel of its own: 2 U more chunks in registers, bounded to 3 blocks an SM) the round's
 // chunks of both rows at once. The loaded bytes, and so the arithmetic, are the general path's.
 
-template <typename T, class P, int U, bool FULL, bool TWO, bool AHEAD2 = false, class C>
+template <typename T, class P, int U, bool FULL, bool TWO, bool AHEAD2 = false, bool ORDER = false,
+          class C>
 __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T* __restrict__ x,
                                          float* ws, u32* counters, int M, int N, int K, int kw,
                                          int gy, u32 flags, const C& oc) {
@@ -764,6 +765,7 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
     const T* xa = x + (size_t)g * K;
     const T* xb = x + (size_t)(g + 8) * K;
     const bool a_ok = g < M, b_ok = g + 8 < M;
+    const u32 zero = (u32)K >> 31;  // K >= 0 (ORDER below)
     // the same for every lane: rows 8..15 are all padding otherwise (FULL: known at compile time)
     const bool two = FULL ? TWO : M > 8;
     for (int i0 = slice; i0 < steps; i0 += U * slices) {
@@ -790,6 +792,22 @@ __device__ __forceinline__ void row_gemv(const P& wp, T* __restrict__ y, const T
           xs[u] = ld_act_if(xa + wp.unit_k(i, t, 0), a_ok && i < steps);
           if constexpr (TWO) xh[u] = ld_act_if(xb + wp.unit_k(i, t, 0), b_ok && i < steps);
         }
+      }
+      // ORDER (FULL): every load of the round is issued before its first MMA, which takes a
+      // zero that depends on all of them (`zero` is 0 at run time, which ptxas cannot know; the
+      // same bits). Without it ptxas may move loads below the first MMA to free registers,
+      // which then wait for it: two trips to memory a round, not one (NVRTC 13.0, the SwiGLU
+      // twin of ``ep_gemv_nk16``: two of its four weight loads). It costs where the schedule
+      // was right already (the first MMA waits for the last load too), so only that kernel
+      // takes it (`_gemv_entry`).
+      if constexpr (ORDER && FULL && U > 1) {
+        u32 dep = 0;
+#pragma unroll
+        for (int u = 1; u < U; ++u) {
+          dep |= raw[u].a.x;
+          if constexpr (AHEAD) dep |= xs[u].x | (TWO ? xh[u].x : 0u);
+        }
+        raw[0].a.x |= dep & zero;
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {

@@ -10,14 +10,17 @@ kernel                    what and launch geometry
 ``ep_gemv_nk_<dt>``       decode, dense W [N, K] (``transpose_b=1``, HF "out x in"): each output
                           reads one contiguous weight row. Block 256 threads = 8 warps; a warp
                           owns 8 output columns (weight rows) and one K slice; 4 lanes a row,
-                          one 16-byte load each per step of 32 k, 4 steps in flight. fp16/bf16:
+                          one 16-byte load each per step of 32 k, 5 steps in flight (fp16/bf16,
+                          64 registers, 4 blocks an SM; its epilogue twins 4). fp16/bf16:
                           the weights are the B operand of ``mma.sync m16n8k16`` (x rows padded
                           to 16 as A); fp32: SIMT FMAs and two shuffles. Aligned rows with
                           K % 32 == 0 take a FULL path: predicated loads without bounds checks,
                           at M <= 8 a round's x chunks loaded at once (the same sums).
 ``ep_gemv_nk16_<dt>``     decode, dense W [N, K], fp16/bf16, 9..16 rows: ``nk``'s arithmetic with
                           a round's x chunks of rows g and g + 8 loaded at once, in a kernel of
-                          its own (80 registers, 3 blocks an SM; `_rows16` says where).
+                          its own (80 registers, 3 blocks an SM, 4 steps in flight; `_rows16`
+                          says where); its SwiGLU twin issues a round's loads before its first
+                          MMA (`row_gemv`'s ORDER).
 ``ep_gemv_nk_v2_<dt>``    decode, dense W [N, K], fp16/bf16, planned only with a size rule set
                           (see below): a tile is 8 weight rows (the MMA's B
                           operand, as in ``nk``), a block of kw = min(16, ceil(K/256)) warps works
@@ -178,8 +181,8 @@ _DEFAULT_SMS = 132  # H200; used when the device does not say
 _WARPS_PER_SM = (
     24  # resident warps a GEMV block of 8 warps leaves room for (3 blocks at <= 85 regs)
 )
-# The dense fp16/bf16 split-K GEMV (ep_gemv_nk_<dt>, and its SwiGLU twin) takes 64 registers: 4
-# blocks of 8 warps an SM, so one wave of it is sm_count x 4 blocks.
+# The dense fp16/bf16 split-K GEMV (ep_gemv_nk_<dt>) is bounded to 64 registers: 4 blocks of 8
+# warps an SM, so one wave of it is sm_count x 4 blocks.
 _DENSE_BLOCKS_PER_SM = 4
 # The streaming q4/mx4 GEMVs (``ep_gemv_<fmt>_stream_<dt>``): blocks of 4 warps, at most 5 blocks
 # an SM (37.5 KB of shared memory and <= 102 registers a thread: 5 fit an H200 SM, 6 do not),
@@ -274,17 +277,23 @@ _SWIGLU_EPILOGUE: GemvEpilogue = (
 def _gemv_entry(
     fmt: str,
     name: str,
-    unroll: int,
     fp32: bool,
     epilogue: GemvEpilogue | None = None,
     rows16: bool = False,
+    ordered: bool = False,
 ) -> str:
     """The split-K GEMV; with ``epilogue`` its twin with that column map and those parameters
-    (`GemvEpilogue`); ``rows16``: the dense fp16/bf16 one for 9..16 rows (``ep_gemv_nk16``)."""
+    (`GemvEpilogue`); ``rows16``: the dense fp16/bf16 one for 9..16 rows (``ep_gemv_nk16``),
+    ``ordered``: with each round's loads issued before its first MMA (`row_gemv`'s ORDER)."""
     sizes = _Q4_SIZES if fmt == "q4" else "int M, int N, int K"
     blocks = 3 if fmt in ("q4", "mx4") and not fp32 else 1  # 3 blocks an SM: <= 85 registers
+    unroll = _UNROLL[(fmt, fp32)]
     if rows16:
-        blocks = _ROWS16_BLOCKS_PER_SM
+        blocks, unroll = _ROWS16_BLOCKS_PER_SM, _DENSE_UNROLL_SHORT
+    elif fmt == "nk" and not fp32 and epilogue is None:
+        blocks = _DENSE_BLOCKS_PER_SM  # 5 steps a round in 64 registers
+    elif fmt == "nk" and not fp32:
+        unroll = _DENSE_UNROLL_SHORT
     head = f'extern "C" __global__ void __launch_bounds__({_GEMV_THREADS}, {blocks}) {name}('
     if fmt == "kn":
         return (
@@ -303,7 +312,7 @@ def _gemv_entry(
     if fmt == "nk":  # aligned rows and K % 32 == 0: the branch-free FULL loads (the .cu)
         full = f"epk::row_gemv<T, {ptype}, {unroll}, true"
         if rows16:  # 9..16 rows: the x chunks of rows g and g + 8 of a round at once
-            full = f"{full}, true, true>{args}"
+            full = f"{full}, true, true{', true' if ordered else ''}>{args}"
         else:
             full = f"if (M > 8) {full}, true>{args}\n    else {full}, false>{args}"
         call = (
@@ -322,7 +331,7 @@ def _gemv_entry(
 
 def _rows16_entry(fmt: str, name: str) -> str:
     """``ep_gemv_nk16`` (dense fp16/bf16, 9..16 rows): the split-K GEMV's parameters."""
-    return _gemv_entry(fmt, name, _UNROLL[(fmt, False)], False, rows16=True)
+    return _gemv_entry(fmt, name, False, rows16=True)
 
 
 def _stream_entry(fmt: str, name: str) -> str:
@@ -428,9 +437,14 @@ _GEMM_PARAMS: dict[str, tuple[str, ...]] = {
 }
 # A GEMV's arguments before its (workspace, counters): y, x and the weight buffers.
 _ARGS_BEFORE_WS = {"nk": 3, "kn": 3, "q4": 5, "mx4": 4}
-# Steps each warp keeps in flight (weight registers per lane: 16 bytes x unroll).
+# Steps each warp keeps in flight (weight registers per lane: 16 bytes x unroll). The dense
+# fp16/bf16 GEMV (``ep_gemv_nk``, bounded to 4 blocks an SM: 64 registers) takes 5, so a warp of
+# the down projection (K 4864: 152 steps over 32 slices) walks its 4 or 5 steps in one round
+# instead of two; its epilogue twins take 4 (at 5 the gate/up twin lost at one row: 6.22 -> 6.98
+# us a call in the 0.5B batch-1 graph on the H200), and so does ``ep_gemv_nk16`` (80 registers).
+_DENSE_UNROLL_SHORT = 4
 _UNROLL: dict[tuple[str, bool], int] = {
-    ("nk", False): 4,
+    ("nk", False): 5,
     ("nk", True): 2,
     ("kn", False): 2,
     ("kn", True): 2,
@@ -558,7 +572,7 @@ def _register() -> dict[str, KernelSource]:
             for kind in ("gemv", "gemm"):
                 name = f"ep_{kind}_{fmt}_{suffix}"
                 if kind == "gemv":
-                    entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32)
+                    entry = _gemv_entry(fmt, name, fp32)
                     params = _GEMV_PARAMS[fmt]
                 else:
                     entry = _gemm_entry(fmt, name, fp32)
@@ -599,7 +613,13 @@ def _register() -> dict[str, KernelSource]:
                     )
                 )
     # the split-K GEMV with a SwiGLU epilogue (`SwigluCols` in the .cu): + inter, interleaved
-    out.update(register_gemv_epilogue("swiglu", _SWIGLU_EPILOGUE, ("i32", "i32"), _swiglu_finish))
+    # ordered: H200, NVRTC 13.0, bf16 896 x 9728 at 16 rows, us a launch in a chain of 24
+    # weights: 8.19 without, 7.19 with (the plain ep_gemv_nk16: 7.02 without, 7.23 with).
+    out.update(
+        register_gemv_epilogue(
+            "swiglu", _SWIGLU_EPILOGUE, ("i32", "i32"), _swiglu_finish, ordered=True
+        )
+    )
     return out
 
 
@@ -612,12 +632,15 @@ def register_gemv_epilogue(
     head: str = "",
     tail: str = "",
     options: CompileOptions | None = None,
+    ordered: bool = False,
 ) -> dict[str, KernelSource]:
     """Register ``ep_gemv_<fmt>_<kind>_<dt>`` (nk, q4, mx4 × f32, f16, bf16): the split-K GEMV
     with ``epilogue`` (`GemvEpilogue`) and its extra ``params`` after the flags; the CPU twin is
     the GEMV's twin followed by ``finish(y, product [M, N], *params)``. ``head`` is compiled
     before the kernels' .cu, ``tail`` after ``typedef T`` (the column map's device code);
-    `plan_matmul` (``epilogue=kind``) plans them at the plain split-K GEMV's K split."""
+    `plan_matmul` (``epilogue=kind``) plans them at the plain split-K GEMV's K split.
+    ``ordered``: the 9..16-row twin (``ep_gemv_nk16_<kind>``) issues each round's loads before
+    its first MMA (`_gemv_entry`)."""
     options = options or CompileOptions(cuda_headers=True)
     body = head + SILU_MUL + _cuda_source()
     out: dict[str, KernelSource] = {}
@@ -627,7 +650,7 @@ def register_gemv_epilogue(
             [] if fp32 else [("nk", True)]
         ):
             name = f"ep_gemv_{fmt}{'16' if rows16 else ''}_{kind}_{suffix}"
-            entry = _gemv_entry(fmt, name, _UNROLL[(fmt, fp32)], fp32, epilogue, rows16)
+            entry = _gemv_entry(fmt, name, fp32, epilogue, rows16, ordered and rows16)
             out[name] = register_kernel(
                 KernelSource(
                     name=name,
