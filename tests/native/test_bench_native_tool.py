@@ -71,8 +71,25 @@ def test_cuda_mode_code_path_runs_on_the_cpu_device(tool: ModuleType, tmp_path: 
         assert loop["samples"] == 5 and loop["capture"]["captures"] > 0
     assert set(data["targets"]) >= {
         "batch1_ms", "tokens_per_s_16_over_1", "batch1_ms_loop", "tokens_per_s_16_over_1_loop",
-        "batch1_ms_fused", "batch1_ms_fused_loop",
+        "batch1_ms_fused", "batch1_ms_fused_loop", "tokens_per_s_16_over_1_fused_loop",
     }  # fmt: skip
+    assert data["targets"]["tokens_per_s_16_over_1_fused_loop"]["batch16_mode"] == "native-loop"
+
+
+def test_a_fused_mode_scales_against_the_plan_at_batch_16(tool: ModuleType) -> None:
+    runs = [
+        tool.ModeRun("native-loop", 1, wall_ms=[0.7]),
+        tool.ModeRun("native-loop", 16, wall_ms=[0.76, 0.8, 0.78]),
+        tool.ModeRun("native-fused-loop", 1, wall_ms=[0.49, 0.5, 0.6]),
+    ]
+    t = tool.targets(runs, floor=None)
+    assert t["tokens_per_s_16_over_1_loop"]["batch16_mode"] == "native-loop"
+    fused = t["tokens_per_s_16_over_1_fused_loop"]
+    assert fused["batch16_mode"] == "native-loop"
+    assert fused["value"] == pytest.approx(16 / 0.78 * 0.5) and fused["met"] is True
+    assert "(native-fused-loop; batch 16: native-loop) 10.3 >= 10.0: met" in tool.table(
+        {"machine": {}, "targets": t}
+    )
 
 
 def test_a_failing_part_is_recorded_and_fails_the_run(tool: ModuleType, tmp_path: Path) -> None:
