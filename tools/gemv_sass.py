@@ -5,12 +5,15 @@ registers, ptxas may move loads below the first MMA, which waits for the earlier
 round costs two trips to memory instead of one. This script compiles kernels with this
 machine's NVRTC (the one the executor would use), disassembles them with ``nvdisasm`` and
 prints, per kernel, one letter per instruction of interest from the FULL path's first round on:
-``L`` a weight load (``.NA``: no L1 allocation), ``X`` another load (x), ``H`` an MMA, ``W``
-the PDL wait, ``|`` a branch, ``E`` an exit. In a healthy round every ``L`` and ``X`` comes
-before the round's first ``H`` (``...|LLLXXXXXLXXXHH|HH|HHHH|`` at 4 steps a round, 16 rows).
+``L`` a weight load (``.NA``: no L1 allocation), ``X`` another load (x), ``H`` an MMA (``G`` a
+warpgroup MMA), ``W`` the PDL wait, ``|`` a branch, ``E`` an exit. In a healthy round every
+``L`` and ``X`` comes before the round's first ``H`` (``...|LLLXXXXXLXXXHH|HH|HHHH|`` at 4 steps
+a round, 16 rows).
 
     python3 tools/gemv_sass.py                          # the dense fp16/bf16 decode GEMVs
     python3 tools/gemv_sass.py ep_gemv_nk16_swiglu_bf16 ep_gemv_nk_rope_bf16
+    python3 tools/gemv_sass.py ep_gemv_q4f8_bf16 --width 400   # any registered kernel, from its
+                                                               # start when it has no FULL path
 
 Needs ``nvdisasm`` (the CUDA toolkit, or the ``nvidia-cuda-nvdisasm`` wheel): ``--nvdisasm``,
 else ``$PATH``, else ``/usr/local/cuda*/bin``. No GPU needed.
@@ -32,8 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from ep.cli import register_all_kernels  # noqa: E402
+from ep.device import KERNELS  # noqa: E402
 from ep.device._kernels import compiled_source, cuda_headers, nvrtc_version  # noqa: E402
-from ep.kernels import attention, matmul  # noqa: E402
 
 DEFAULT = [
     f"ep_gemv_{family}_{dt}"
@@ -59,14 +63,16 @@ def compile_kernel(name: str) -> tuple[str, str, bytes]:
     """``name``'s cubin for ARCH, and ptxas's register and spill lines."""
     from cuda.core import Program, ProgramOptions
 
-    sources = {**matmul.MATMUL_KERNELS, **attention.ROPE_GEMV_KERNELS}
-    if name not in sources:
-        raise SystemExit(f"{name!r} is not a GEMV kernel; expected one of: {', '.join(sources)}")
+    register_all_kernels()
+    if name not in KERNELS:
+        raise SystemExit(f"no kernel named {name!r}; registered: {', '.join(KERNELS.names())}")
     opts = ProgramOptions(
         arch=ARCH, std="c++17", include_path=[cuda_headers()[0]], ptxas_options=["-v"]
     )
     logs = io.StringIO()
-    code = Program(compiled_source(sources[name], ARCH), "c++", opts).compile("cubin", logs=logs)
+    code = Program(compiled_source(KERNELS.get(name), ARCH), "c++", opts).compile(
+        "cubin", logs=logs
+    )
     text = logs.getvalue()
     regs = ",".join(re.findall(r"Used (\d+) registers", text))
     spills = ",".join(re.findall(r"(\d+) bytes spill stores", text))
@@ -85,6 +91,8 @@ def order(sass: str, width: int) -> str:
             letters.append("L" if ".NA" in ins else "X")
         elif "HMMA" in ins:
             letters.append("H")
+        elif "GMMA" in ins:
+            letters.append("G")
         elif "BRA" in ins:
             letters.append("|")
         elif "ACQBULK" in ins:
@@ -92,7 +100,7 @@ def order(sass: str, width: int) -> str:
         elif "EXIT" in ins:
             letters.append("E")
     seq = "".join(letters)
-    start = max(seq.find("W|LLLL"), 0)  # the FULL path: the weights before the PDL wait
+    start = max(seq.find("W|LLLL"), 0)  # row_gemv's FULL path: the weights before the PDL wait
     return seq[start : start + width]
 
 

@@ -21,6 +21,7 @@ SASS = """
         /*02a0*/                   HMMA.16816.F32.BF16 R56, R56, R52, RZ ;
         /*02b0*/                   LDG.E.128 R20, desc[UR6][R30.64] ;
         /*02c0*/                   HMMA.16816.F32.BF16 R8, R60, R12, R8 ;
+        /*02c8*/                   HGMMA.64x8x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ ;
         /*02d0*/                   LDG.E.NA.128 R40, desc[UR6][R52.64] ;
         /*02e0*/               @!P0 BRA `(.L_x_2) ;
         /*02f0*/                   EXIT ;
@@ -29,7 +30,7 @@ SASS = """
 
 def test_order_reads_loads_mmas_and_the_wait(load_tool: Callable[[str], ModuleType]) -> None:
     sass = load_tool("gemv_sass")
-    assert sass.order(SASS, 90) == "|LLWXHXHL|E"
+    assert sass.order(SASS, 90) == "|LLWXHXHGL|E"
     # from the FULL path's first round on, when the SASS has one
     assert sass.order(SASS.replace("ACQBULK", "NOP"), 4) == "|LLX"
 
@@ -38,15 +39,16 @@ def test_default_kernels_exist_and_errors_say_what_to_do(
     load_tool: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     sass = load_tool("gemv_sass")
-    from ep.kernels import attention, matmul
+    from ep.cli import register_all_kernels
+    from ep.device import KERNELS
 
-    known = {**matmul.MATMUL_KERNELS, **attention.ROPE_GEMV_KERNELS}
-    assert set(sass.DEFAULT) <= set(known) and len(sass.DEFAULT) == 12
+    register_all_kernels()
+    assert set(sass.DEFAULT) <= set(KERNELS.names()) and len(sass.DEFAULT) == 12
     monkeypatch.setattr(sass.shutil, "which", lambda _name: None)
     monkeypatch.setattr(sass.glob, "glob", lambda _pattern: [])
     with pytest.raises(SystemExit, match="nvdisasm not found: install the CUDA toolkit"):
         sass.find_nvdisasm(None)
-    with pytest.raises(SystemExit, match="not a GEMV kernel"):
+    with pytest.raises(SystemExit, match="no kernel named 'ep_gemv_nope_bf16'; registered: "):
         sass.compile_kernel("ep_gemv_nope_bf16")
 
 
