@@ -47,7 +47,7 @@ def test_default_kernels_exist_and_errors_say_what_to_do(
     monkeypatch.setattr(sass.shutil, "which", lambda _name: None)
     monkeypatch.setattr(sass.glob, "glob", lambda _pattern: [])
     with pytest.raises(SystemExit, match="nvdisasm not found: install the CUDA toolkit"):
-        sass.find_nvdisasm(None)
+        sass.find_tool("nvdisasm", None)
     with pytest.raises(SystemExit, match="no kernel named 'ep_gemv_nope_bf16'; registered: "):
         sass.compile_kernel("ep_gemv_nope_bf16")
 
