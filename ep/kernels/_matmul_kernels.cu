@@ -2883,25 +2883,41 @@ constexpr u32 MX4F8_MASK = 0x9C9C9C9Cu;
 
 // The weight formats F of the FP8 GEMV: MXFP4 with E8M0 scale bytes (F8_MX4; F8_MX4_EXACT decodes
 // the bytes 0 and 255 exactly), and 4-bit block-quantized (MatMulNBits, block 32; q4f8 below)
-// with bf16 scales and zero points 8 (F8_Q4) or given (F8_Q4_ZP). A lane's scales of a step are
-// 4 E8M0 bytes (u32) or 4 bf16 (uint2).
+// with bf16 scales and zero points 8 (F8_Q4) or given (F8_Q4_ZP). A lane's ring slot holds its
+// scales of a step (`F8Scales`): MXFP4, its rows' 4 E8M0 bytes (u32); 4-bit with zero points,
+// its rows' 4 bf16 (uint2); 4-bit without, the two bf16 of its block t & 1 (u32), the other
+// block's two taken from the lane beside it with a shuffle: a ring register a step less (the
+// symmetric d8b2 kernel takes 107 registers against 120), and on the H200 (NVRTC 13.0, 896 x
+// 151936) M = 16 in 37.5 us against 41.0, M <= 8 unchanged. With zero points the shuffle was
+// slower (24.5 -> 25.6 us at M = 1): they keep the uint2. The same bytes are read either way.
 constexpr int F8_MX4 = 0, F8_MX4_EXACT = 1, F8_Q4 = 2, F8_Q4_ZP = 3;
 template <int F>
 struct F8Scales {
   typedef u32 type;
+  static constexpr int kStep = 32, kLane = 1;  // a step's slots; a lane's slot: 8 g x 4 warps
 };
 template <>
 struct F8Scales<F8_Q4> {
-  typedef uint2 type;
+  typedef u32 type;
+  static constexpr int kStep = 64, kLane = 2;  // a g's two slots: blocks 0 and 1
 };
 template <>
 struct F8Scales<F8_Q4_ZP> {
   typedef uint2 type;
+  static constexpr int kStep = 32, kLane = 1;
 };
 __device__ __forceinline__ u32 f8_scales(const u32* p) { return __ldg(p); }
 __device__ __forceinline__ uint2 f8_scales(const uint2* p) { return __ldg(p); }
 __device__ __forceinline__ u32 f8_scales_if(const u32* p, bool ok) { return ld_u32_if(p, ok); }
 __device__ __forceinline__ uint2 f8_scales_if(const uint2* p, bool ok) { return ld_u64_if(p, ok); }
+
+// A 4-bit lane's four bf16 scales of a step as (block 0, block 1) pairs: its uint2, or its u32 of
+// block t & 1 and the lane t ^ 1's of the other.
+__device__ __forceinline__ uint2 f8_q4_pairs(uint2 v, int) { return v; }
+__device__ __forceinline__ uint2 f8_q4_pairs(u32 v, int t) {
+  const u32 other = __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+  return (t & 1) ? make_uint2(other, v) : make_uint2(v, other);
+}
 
 // A lane's accumulators of one block's wgmma (NB columns: NB / 2 floats).
 template <int NB>
@@ -3108,7 +3124,9 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
   F8_TRACE(0, f8_gtime());
   F8_TRACE(4, clock64());
   wq += (first * 4 + warp) * 32 + lane;
-  const SV* __restrict__ sc = reinterpret_cast<const SV*>(scales) + (first * 4 + warp) * 8 + g;
+  constexpr int SSTEP = F8Scales<F>::kStep, SLANE = F8Scales<F>::kLane;
+  const SV* __restrict__ sc = reinterpret_cast<const SV*>(scales) +
+                              ((first * 4 + warp) * 8 + g) * SLANE + (SLANE == 2 ? (t & 1) : 0);
   const unsigned short* __restrict__ zs =
       reinterpret_cast<const unsigned short*>(zeros) + (first * 4 + warp) * 8 + g;
   uint4 rq[D];
@@ -3122,7 +3140,7 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
     if constexpr (ZP) rz[d] = 0u;
     if (d < total) {
       rq[d] = ld_stream(wq + (size_t)d * 128);
-      rs[d] = f8_scales(sc + (size_t)d * 32);
+      rs[d] = f8_scales(sc + (size_t)d * SSTEP);
       if constexpr (ZP) rz[d] = __ldg(zs + (size_t)d * 32);
     }
   }
@@ -3182,19 +3200,20 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
       if constexpr (NB <= 16) {
         const bool more = idx + D < total;
         rq[d] = ld_stream_if(wq + (size_t)(idx + D) * 128, more);
-        rs[d] = f8_scales_if(sc + (size_t)(idx + D) * 32, more);
+        rs[d] = f8_scales_if(sc + (size_t)(idx + D) * SSTEP, more);
         if constexpr (ZP) rz[d] = ld_u16_if(zs + (size_t)(idx + D) * 32, more);
       } else if (idx + D < total) {
         rq[d] = ld_stream(wq + (size_t)(idx + D) * 128);
-        rs[d] = f8_scales(sc + (size_t)(idx + D) * 32);
+        rs[d] = f8_scales(sc + (size_t)(idx + D) * SSTEP);
         if constexpr (ZP) rz[d] = __ldg(zs + (size_t)(idx + D) * 32);
       }
       float s[2][2];  // [block][row g | g + 8]
       if constexpr (Q4) {  // bf16 at 2b + h
-        s[0][0] = __uint_as_float(sv.x << 16);
-        s[0][1] = __uint_as_float(sv.x & 0xFFFF0000u);
-        s[1][0] = __uint_as_float(sv.y << 16);
-        s[1][1] = __uint_as_float(sv.y & 0xFFFF0000u);
+        const uint2 p = f8_q4_pairs(sv, t);
+        s[0][0] = __uint_as_float(p.x << 16);
+        s[0][1] = __uint_as_float(p.x & 0xFFFF0000u);
+        s[1][0] = __uint_as_float(p.y << 16);
+        s[1][1] = __uint_as_float(p.y & 0xFFFF0000u);
       } else if constexpr (F == F8_MX4_EXACT) {
 #pragma unroll
         for (int i = 0; i < 4; ++i) s[i >> 1][i & 1] = e8m0_f32((sv >> (8 * i)) & 0xFFu);
@@ -3288,15 +3307,18 @@ __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
                                                 (flags & EPK_E8X) != 0, trace);
 }
 
-// The 4-bit GEMV on the FP8 tensor cores (`ep_gemv_q4f8_bf16`): the same loop over a
-// `ep.kernels.q4f8.pack_q4f8` weight (zero points when EPK_ZP, else 8).
-template <int D4, int D8, int D16, int W = MX4F8_WARPS>
+// The 4-bit GEMV on the FP8 tensor cores: the same loop over a `ep.kernels.q4f8.pack_q4f8`
+// weight, one kernel a zero-point form (`ep_gemv_q4f8_bf16`: zero points given, EPK_ZP;
+// `ep_gemv_q4f8_sym_bf16`: every zero point 8), so that each form's loops are scheduled without
+// the other's: with both in one kernel, the symmetric form's u32 scales made the zero points'
+// M > 8 loop slower (H200, M = 16: 39.7 -> 42.9 us).
+template <bool ZP, int D4, int D8, int D16, int W = MX4F8_WARPS>
 __device__ __forceinline__ void q4f8_gemv(__nv_bfloat16* __restrict__ y,
                                           const __nv_bfloat16* __restrict__ x, const u8* b,
                                           const u8* scales, const u8* zeros, int M, int N, int K,
                                           u32 flags) {
-  f8_gemv<F8_Q4, F8_Q4_ZP, D4, D8, D16, W>(y, x, b, scales, zeros, M, N, K, flags,
-                                           (flags & EPK_ZP) != 0, nullptr);
+  constexpr int F = ZP ? F8_Q4_ZP : F8_Q4;
+  f8_gemv<F, F, D4, D8, D16, W>(y, x, b, scales, zeros, M, N, K, flags, false, nullptr);
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -1,5 +1,6 @@
 """The 4-bit block-quantized decode GEMV on Hopper's FP8 tensor cores: ``ep_gemv_q4f8_bf16``
-(MatMulNBits weights, block 32; sm_90a only).
+for weights with zero points and ``ep_gemv_q4f8_sym_bf16`` for those without (MatMulNBits
+weights, block 32; sm_90a only).
 
 `ep.kernels.mx4f8` runs MXFP4 weights through wgmma as e4m3 bytes; this is its 4-bit twin, on
 the same loop (the .cu file's ``f8_run``). A 4-bit code q in the low half of a byte is the e4m3
@@ -9,19 +10,21 @@ value q x 2^-9 exactly (q < 8 are the subnormals m x 2^-9, q >= 8 the first bina
 points stay out of the products: a block's sum is s (sum of q x - z sum of x), and each row of x
 has its 32-block sums staged beside it (from the bf16 x itself, not its e4m3 split). Scales are
 bf16 (the activations' dtype), applied in fp32 after the block's wgmma; zero points are 8 or
-given (MatMulNBits' packed nibbles).
+given (MatMulNBits' packed nibbles). Each form has a kernel of its own: without zero points a
+lane keeps one u32 of scales a step in its ring, not two (the .cu file's ``F8Scales``).
 
 The activations are split into two e4m3 columns as `ep.kernels.mx4f8.split_x` says (exact within
 9 binades of a row's largest magnitude), so this takes bf16 activations only;
 `ep.kernels.q4p.gemv_q4_packed` takes fp16 ones and runs on any GPU.
 
 On the H200 (896 x 151936, docs/benchmarks/h200.md) it takes 24.6 µs at M = 1 with zero points
-(q4p 26.3) and 23.1 without (q4p 23.5), but 39.7 at M = 16 (q4p 33.6): above M = 4 q4p is the
-faster of the two.
+(q4p 26.3) and 23.1-23.4 without (q4p 23.4-23.5), but 40.0 / 37.5 at M = 16 (q4p 33.6 / 30.6):
+above M = 4 q4p is the faster of the two.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -62,7 +65,10 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 # in one run (docs/benchmarks/h200.md, fifteenth session): d8b2 24.59 / 25.00 / 39.69, d6b3
 # 26.23 / 26.78 / 39.56, d6b1 26.24 / 26.59 / 39.29, d12b2 26.96 / 27.69 / 40.48 (q4p 26.33 /
 # 26.52 / 33.58: faster above M = 4); symmetric, another run: d8b2 23.07 / 23.49, d10b2 24.56 /
-# 24.74 (q4p 23.45 / 23.93).
+# 24.74 (q4p 23.45 / 23.93). The symmetric kernels' u32 scales (twenty-third session) leave a
+# register a step: d8b3 then fits 3 blocks an SM without spills, but measured no faster than
+# d8b2 at M <= 4 (23.29 / 23.89 against 23.39 / 23.61, medians of three rounds), so it is not
+# compiled.
 RINGS: tuple[tuple[int, int], ...] = ((8, 2), (6, 3), (6, 1))
 _WIDER = {(8, 2): (8, 6), (6, 3): (4, 2), (6, 1): (4, 2)}
 RING_ENV = "GENAI_EP_Q4F8"
@@ -205,7 +211,7 @@ def gemv_q4_f8(
     op = "gemv_q4_f8"
     ring, per_sm = _ring(op, ring, RING_ENV, RINGS)
     N, K = w.N, w.K
-    name = _name("q4f8", ring, "bf16", RINGS)
+    name = _name(_family(w.zeros is not None), ring, "bf16", RINGS)
     mx4f8.f8_checks(op, dev, M, x, Q4F8_KERNELS[name], ("gemv_q4_packed", "pack_q4"))
     T, S, blocks, (wbytes, _) = mx4f8.launch_shape(dev, N, K, per_sm)
     _buffer(op, dev, "x", x, M * K, _BF16)
@@ -244,18 +250,24 @@ def _twin(
         y[: m * n] = (xs @ sq.T - xv @ sz.T).astype(y.dtype).reshape(-1)
 
 
+def _family(zero_points: bool) -> str:
+    """The kernel family of a weight with or without zero points (one kernel each: the .cu
+    file's q4f8_gemv)."""
+    return "q4f8" if zero_points else "q4f8_sym"
+
+
 def _register() -> dict[str, KernelSource]:
     body = matmul._cuda_source()
     out: dict[str, KernelSource] = {}
-    for depth, per_sm in RINGS:
-        name = _name("q4f8", f"d{depth}b{per_sm}", "bf16", RINGS)
+    for zp, (depth, per_sm) in itertools.product((True, False), RINGS):
+        name = _name(_family(zp), f"d{depth}b{per_sm}", "bf16", RINGS)
         d8, d16 = _WIDER[depth, per_sm]
         warps = mx4f8.block_warps(per_sm)
         entry = (
             f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
             "T* y, const T* x, const u8* b, const T* scales, const void* zp, int M, int N, "
-            f"int K, u32 flags) {{\n  epk::q4f8_gemv<{depth}, {d8}, {d16}, {warps}>(y, x, b, "
-            "(const u8*)scales, (const u8*)zp, M, N, K, flags);\n}\n"
+            f"int K, u32 flags) {{\n  epk::q4f8_gemv<{str(zp).lower()}, {depth}, {d8}, {d16}, "
+            f"{warps}>(y, x, b, (const u8*)scales, (const u8*)zp, M, N, K, flags);\n}}\n"
         )
         out[name] = register_kernel(
             KernelSource(

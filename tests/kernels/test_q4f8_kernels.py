@@ -112,7 +112,8 @@ def test_gemv_is_the_product_of_the_dequantized_weights(
     def run(out: Buffer, x: Buffer, M: int, **kwargs: bool) -> MatmulPlan:
         return gemv_q4_f8(dev, out, x, w, M=M, stream=s, **kwargs)
 
-    check_decode_gemv(dev, rng, upload, poison, run, dense, lambda M: "ep_gemv_q4f8_bf16", BOUND)
+    kernel = "ep_gemv_q4f8_bf16" if zp else "ep_gemv_q4f8_sym_bf16"  # a kernel a form
+    check_decode_gemv(dev, rng, upload, poison, run, dense, lambda M: kernel, BOUND)
 
 
 def test_a_row_of_x_with_inf_is_nan_and_a_zero_row_is_zero(
@@ -174,23 +175,28 @@ def test_every_ring_variant_gives_the_bits_of_the_default(
         def run(out: Buffer, x: Buffer, M: int, w: PackedQ4F8 = w, **kwargs: str) -> MatmulPlan:
             return gemv_q4_f8(dev, out, x, w, M=M, stream=s, **kwargs)
 
-        kernels = (f"ep_gemv_q4f8_{ring}_bf16", "ep_gemv_q4f8_bf16")
+        family = "q4f8" if zp else "q4f8_sym"
+        kernels = (f"ep_gemv_{family}_{ring}_bf16", f"ep_gemv_{family}_bf16")
         check_ring_matches_default(dev, rng, upload, run, (N, K), ring, kernels)
 
 
+@pytest.mark.parametrize("zp", [True, False])
 @pytest.mark.parametrize(("depth", "per_sm"), RINGS)
 def test_the_ring_refills_at_m_8_and_below_are_predicated_volatile_loads(
-    depth: int, per_sm: int
+    depth: int, per_sm: int, zp: bool
 ) -> None:
     """As `ep.kernels.mx4f8`'s: at M <= 8 each unrolled step refills its slot's weights, bf16
-    scales and (with zero points) zero points with predicated volatile loads (PTX by NVRTC, no
-    GPU), in both M <= 8 loops of each zero-point form."""
+    scales and zero points with predicated volatile loads (PTX by NVRTC, no GPU), in both M <= 8
+    loops. A kernel has one zero-point form: with zero points a lane's scales are a uint2 (all
+    four of its rows' blocks), without them one u32 (its block's pair; no zero-point loads)."""
     d8, _ = q4f8._WIDER[depth, per_sm]
-    ptx = ptx_of(Q4F8_KERNELS[q4f8._name("q4f8", f"d{depth}b{per_sm}", "bf16", RINGS)])
+    family = "q4f8" if zp else "q4f8_sym"
+    ptx = ptx_of(Q4F8_KERNELS[q4f8._name(family, f"d{depth}b{per_sm}", "bf16", RINGS)])
     steps = depth + d8
-    assert ptx.count("@q ld.global.nc.L1::no_allocate.v4.u32") == 2 * steps  # weights
-    assert ptx.count("@q ld.global.nc.v2.u32") == 2 * steps  # scales
-    assert ptx.count("@q ld.global.nc.u16") == steps  # zero points
+    assert ptx.count("@q ld.global.nc.L1::no_allocate.v4.u32") == steps  # weights
+    assert ptx.count("@q ld.global.nc.v2.u32") == (steps if zp else 0)  # scales, uint2
+    assert ptx.count("@q ld.global.nc.u32") == (0 if zp else steps)  # scales, u32
+    assert ptx.count("@q ld.global.nc.u16") == (steps if zp else 0)  # zero points
 
 
 def test_the_kernel_exists_for_sm_90a_only() -> None:
