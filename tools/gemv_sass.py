@@ -7,9 +7,10 @@ does (`ep.device.compile_kernel`: this machine's NVRTC, each kernel's own option
 no cache), prints their registers, stack and local (spill) bytes as ``cuobjdump`` reports them,
 disassembles them with ``nvdisasm`` and prints, per kernel, one letter per instruction of
 interest from the FULL path's first round on: ``L`` a weight load (``.NA``: no L1 allocation),
-``X`` another load (x), ``H`` an MMA (``G`` a warpgroup MMA), ``W`` the PDL wait, ``|`` a
-branch, ``E`` an exit. In a healthy round every ``L`` and ``X`` comes before the round's first
-``H`` (``...|LLLXXXXXLXXXHH|HH|HHHH|`` at 4 steps a round, 16 rows).
+``X`` another load (x), ``S`` a spill (a local load or store), ``H`` an MMA (``G`` a
+warpgroup MMA), ``W`` the PDL wait, ``|`` a branch, ``E`` an exit. In a healthy round every
+``L`` and ``X`` comes before the round's first ``H`` (``...|LLLXXXXXLXXXHH|HH|HHHH|`` at 4
+steps a round, 16 rows).
 
     python3 tools/gemv_sass.py                          # the dense fp16/bf16 decode GEMVs
     python3 tools/gemv_sass.py ep_gemv_nk16_swiglu_bf16 ep_gemv_nk_rope_bf16
@@ -18,7 +19,10 @@ branch, ``E`` an exit. In a healthy round every ``L`` and ``X`` comes before the
 
 Needs ``nvdisasm`` and ``cuobjdump`` (the CUDA toolkit, or the ``nvidia-cuda-nvdisasm`` and
 ``nvidia-cuda-cuobjdump`` wheels): ``--nvdisasm`` / ``--cuobjdump`` (default: beside nvdisasm),
-else ``$PATH``, else ``/usr/local/cuda*/bin``. No GPU needed.
+else ``$PATH``, else ``/usr/local/cuda*/bin``. No GPU needed. Schedules change with the NVRTC
+version: run it from a Python with the device machine's NVRTC (13.0 on the H200:
+``pip install nvidia-cuda-nvrtc==13.0.88 cuda-bindings==13.3.1`` in a venv) to see that
+machine's SASS.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def order(sass: str, width: int) -> str:
         ins = m.group(1)
         if "LDG" in ins:
             letters.append("L" if ".NA" in ins else "X")
+        elif "LDL" in ins or "STL" in ins:
+            letters.append("S")
         elif "HMMA" in ins:
             letters.append("H")
         elif "GMMA" in ins:

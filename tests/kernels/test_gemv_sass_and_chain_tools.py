@@ -23,6 +23,8 @@ SASS = """
         /*02c0*/                   HMMA.16816.F32.BF16 R8, R60, R12, R8 ;
         /*02c8*/                   HGMMA.64x8x32.F32.E4M3.E4M3 R24, gdesc[UR4], RZ ;
         /*02d0*/                   LDG.E.NA.128 R40, desc[UR6][R52.64] ;
+        /*02d8*/                   STL.64 [R1+0x8], R40 ;
+        /*02dc*/                   LDL.64 R40, [R1+0x8] ;
         /*02e0*/               @!P0 BRA `(.L_x_2) ;
         /*02f0*/                   EXIT ;
 """
@@ -30,7 +32,7 @@ SASS = """
 
 def test_order_reads_loads_mmas_and_the_wait(load_tool: Callable[[str], ModuleType]) -> None:
     sass = load_tool("gemv_sass")
-    assert sass.order(SASS, 90) == "|LLWXHXHGL|E"
+    assert sass.order(SASS, 90) == "|LLWXHXHGLSS|E"  # S: a spill (local store, load)
     # from the FULL path's first round on, when the SASS has one
     assert sass.order(SASS.replace("ACQBULK", "NOP"), 4) == "|LLX"
 
