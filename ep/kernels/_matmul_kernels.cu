@@ -2886,9 +2886,9 @@ constexpr u32 MX4F8_MASK = 0x9C9C9C9Cu;
 // with bf16 scales and zero points 8 (F8_Q4) or given (F8_Q4_ZP). A lane's ring slot holds its
 // scales of a step (`F8Scales`): MXFP4, its rows' 4 E8M0 bytes (u32); 4-bit with zero points,
 // its rows' 4 bf16 (uint2); 4-bit without, the two bf16 of its block t & 1 (u32), the other
-// block's two taken from the lane beside it with a shuffle: a ring register a step less (the
-// symmetric d8b2 kernel takes 107 registers against 120), and on the H200 (NVRTC 13.0, 896 x
-// 151936) M = 16 in 37.5 us against 41.0, M <= 8 unchanged. With zero points the shuffle was
+// block's two taken from the lane beside it with a shuffle: a ring register a step less (107
+// registers for the symmetric d8b2 kernel, 120 with zero points), and on the H200 (NVRTC 13.0,
+// 896 x 151936) M = 16 in 37.5 us against 41.0, M <= 8 unchanged. With zero points the shuffle was
 // slower (24.5 -> 25.6 us at M = 1): they keep the uint2. The same bytes are read either way.
 constexpr int F8_MX4 = 0, F8_MX4_EXACT = 1, F8_Q4 = 2, F8_Q4_ZP = 3;
 template <int F>

@@ -175,7 +175,7 @@ def test_every_ring_variant_gives_the_bits_of_the_default(
         def run(out: Buffer, x: Buffer, M: int, w: PackedQ4F8 = w, **kwargs: str) -> MatmulPlan:
             return gemv_q4_f8(dev, out, x, w, M=M, stream=s, **kwargs)
 
-        family = "q4f8" if zp else "q4f8_sym"
+        family = q4f8._family(zp)
         kernels = (f"ep_gemv_{family}_{ring}_bf16", f"ep_gemv_{family}_bf16")
         check_ring_matches_default(dev, rng, upload, run, (N, K), ring, kernels)
 
@@ -190,7 +190,7 @@ def test_the_ring_refills_at_m_8_and_below_are_predicated_volatile_loads(
     loops. A kernel has one zero-point form: with zero points a lane's scales are a uint2 (all
     four of its rows' blocks), without them one u32 (its block's pair; no zero-point loads)."""
     d8, _ = q4f8._WIDER[depth, per_sm]
-    family = "q4f8" if zp else "q4f8_sym"
+    family = q4f8._family(zp)
     ptx = ptx_of(Q4F8_KERNELS[q4f8._name(family, f"d{depth}b{per_sm}", "bf16", RINGS)])
     steps = depth + d8
     assert ptx.count("@q ld.global.nc.L1::no_allocate.v4.u32") == steps  # weights
