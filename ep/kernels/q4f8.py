@@ -17,9 +17,9 @@ The activations are split into two e4m3 columns as `ep.kernels.mx4f8.split_x` sa
 9 binades of a row's largest magnitude), so this takes bf16 activations only;
 `ep.kernels.q4p.gemv_q4_packed` takes fp16 ones and runs on any GPU.
 
-On the H200 (896 x 151936, docs/benchmarks/h200.md) it takes 24.6 µs at M = 1 with zero points
-(q4p 26.3) and 23.1-23.4 without (q4p 23.4-23.5), but 40.0 / 37.5 at M = 16 (q4p 33.6 / 30.6):
-above M = 4 q4p is the faster of the two.
+On the H200 (896 x 151936, docs/benchmarks/h200.md) it takes 24.7-25.6 µs at M = 1 with zero
+points (q4p 26.3) and 22.4-22.9 without (`SYM_RING`; q4p 23.4-23.5), but 39.7-41.4 / 38.2-38.7
+at M = 16 (q4p 33.6 / 30.6): above M = 4 q4p is the faster of the two.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ __all__ = [
     "Q4F8_KERNELS",
     "RINGS",
     "RING_ENV",
+    "SYM_RING",
     "PackedQ4F8",
     "gemv_q4_f8",
     "pack_q4f8",
@@ -72,6 +73,13 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 RINGS: tuple[tuple[int, int], ...] = ((8, 2), (6, 3), (6, 1))
 _WIDER = {(8, 2): (8, 6), (6, 3): (4, 2), (6, 1): (4, 2)}
 RING_ENV = "GENAI_EP_Q4F8"
+# Without zero points, M <= 8 runs d6b3 instead (3 blocks an SM; the same bits: every ring stores
+# the default's). The weights' read order alone streams at 0.92 of copy bandwidth with 3 blocks
+# of 8 warps an SM and at 0.78 with 2 (tools/bench_read_pattern.py), and d8b2 was at that bound.
+# H200, 896 x 151936, three runs (docs/benchmarks/h200.md, twenty-fourth session): M = 1 22.4-22.7
+# us against d8b2's 23.6-23.8, M = 8 25.2-25.6 against 26.2-26.8; M = 16 keeps d8b2 (38.2-38.4
+# against 39.1-39.7), and zero points keep d8b2 everywhere (d6b3: 28.3-28.6 us at M = 1).
+SYM_RING = "d6b3"
 # nibble p of a word (`mx4f8._ROW`, `mx4f8._K`: row g + 8 (p >> 2), byte p & 3) sits at these bits
 _SHIFTS = (8 * (np.arange(8) & 3) + 4 * (np.arange(8) >> 2)).astype(np.uint32)
 
@@ -207,9 +215,11 @@ def gemv_q4_f8(
     """``out[M, N] = x[M, K] @ dequantize(W)^T`` for a `PackedQ4F8` weight on the FP8 tensor
     cores (bf16 activations, M <= 16; sm_90a, or the NumPy twin on the CPU device), x split as
     `ep.kernels.mx4f8.split_x` says. ``resident`` and ``ring`` as
-    `ep.kernels.q4p.gemv_q4_packed` (default ring `RING_ENV`, else the first of `RINGS`)."""
+    `ep.kernels.q4p.gemv_q4_packed` (default ring `RING_ENV`, else `SYM_RING` for symmetric
+    weights at M <= 8, else the first of `RINGS`)."""
     op = "gemv_q4_f8"
-    ring, per_sm = _ring(op, ring, RING_ENV, RINGS)
+    default = SYM_RING if w.zeros is None and M <= 8 else None
+    ring, per_sm = _ring(op, ring, RING_ENV, RINGS, default)
     N, K = w.N, w.K
     name = _name(_family(w.zeros is not None), ring, "bf16", RINGS)
     mx4f8.f8_checks(op, dev, M, x, Q4F8_KERNELS[name], ("gemv_q4_packed", "pack_q4"))

@@ -37,7 +37,7 @@ def test_reference_rows_are_the_whole_weights_rows(
 
 
 def test_the_4_bit_formats_run_with_and_without_zero_points(tmp_path: Path) -> None:
-    formats = "q4,q4+sym,q4p,q4p+sym,q4f8,q4f8+sym,q4f8-d6b3+sym"
+    formats = "q4,q4+sym,q4p,q4p+sym,q4f8,q4f8+sym,q4f8-d8b2+sym"
     run = subprocess.run(
         [sys.executable, str(TOOL), "--device", "cpu", "--formats", formats, "--shapes",
          "64x256", "--rows", "1,5", "--reps", "1", "--pool-mib", "1", "--copy-mib", "4",
@@ -53,8 +53,8 @@ def test_the_4_bit_formats_run_with_and_without_zero_points(tmp_path: Path) -> N
         assert err < 1e-2, (fmt, row["note"])
     kernels = {f: got[f, 1]["kernel"].split()[0] for f in formats.split(",")}
     assert kernels["q4f8"] == "ep_gemv_q4f8_bf16"
-    assert kernels["q4f8-d6b3+sym"] == "ep_gemv_q4f8_sym_d6b3_bf16"
-    assert kernels["q4f8+sym"] == "ep_gemv_q4f8_sym_bf16"  # a kernel without zero points
+    assert kernels["q4f8-d8b2+sym"] == "ep_gemv_q4f8_sym_bf16"  # a kernel without zero points
+    assert kernels["q4f8+sym"] == "ep_gemv_q4f8_sym_d6b3_bf16"  # its ring at M <= 8
     assert kernels["q4p+sym"] == "ep_gemv_q4p_bf16"
     for fmt in ("q4", "q4p"):  # symmetric: no zero points to move
         assert got[f"{fmt}+sym", 1]["bytes"] < got[fmt, 1]["bytes"]
