@@ -11,11 +11,11 @@ issued before its programmatic-dependent-launch wait. Each is reported as a frac
 device-to-device copy bandwidth measured in the same run: what the GEMV would reach if its
 arithmetic, its staging of x and its stores cost nothing.
 
-Rings (``--rings``): ``dDbB`` as the GEMVs name them (B = 1: one block of 24 warps, else
-blocks of 8). Orders (``--orders``): ``tiles`` (each warpgroup's tiles contiguous, the GEMVs'
-order) and ``round-robin`` (warpgroup j reads tiles j, j + W, j + 2W, ... of W warpgroups).
-Streams (``--stream``): ``q4f8`` (weights, then bf16 scales), ``mx4f8`` (E8M0 scales),
-``weights`` (no scales).
+Rings (``--rings``): ``dDbB`` as the GEMVs name them (blocks of warps as
+`ep.kernels.mx4f8.block_warps` says: 24 at B = 1, else 8). Orders (``--orders``): ``tiles``
+(each warpgroup's tiles contiguous, the GEMVs' order) and ``round-robin`` (warpgroup j reads
+tiles j, j + W, j + 2W, ... of W warpgroups). Streams (``--stream``): ``q4f8`` (weights, then
+bf16 scales), ``mx4f8`` (E8M0 scales), ``weights`` (no scales).
 
     python3 tools/bench_read_pattern.py                 # q4f8 at 896 x 151936, default rings
     python3 tools/bench_read_pattern.py --stream mx4f8 --rings d8b3,d8b1 --orders tiles
@@ -44,6 +44,7 @@ from bench_kernels import Timing, copy_bandwidth, machine_info, time_graph  # no
 
 from ep.device import KERNELS, Device, KernelSource, get_device, register_kernel  # noqa: E402
 from ep.kernels.matmul import sm_count  # noqa: E402
+from ep.kernels.mx4f8 import block_warps  # noqa: E402
 
 STEP = 2048  # weight bytes of a warpgroup's step
 SCALE_WORDS = {"q4f8": 16, "mx4f8": 8, "weights": 0}  # u32 scale words of a warp's step
@@ -125,11 +126,6 @@ def parse_ring(ring: str) -> tuple[int, int]:
     if not (1 <= depth <= 32 and 1 <= per_sm <= 8):
         raise ValueError(f"ring {ring!r}: expected 1 <= D <= 32 steps and 1 <= B <= 8 blocks")
     return depth, per_sm
-
-
-def block_warps(per_sm: int) -> int:
-    """A block's warps, as `ep.kernels.mx4f8.block_warps`: 24 at one block an SM, else 8."""
-    return 24 if per_sm == 1 else 8
 
 
 def kernel_name(ring: str, order: str, stream: str) -> str:
