@@ -2871,9 +2871,9 @@ __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict
 // `ep_gemv_q4f8_bf16` runs 4-bit MatMulNBits weights (block 32) through the same loop (`f8_run`,
 // formats F8_Q4 and F8_Q4_ZP): a code q in the low half of a byte is the e4m3 value q x 2^-9, so
 // a word's A registers are `w & 0x0F0F0F0F` (row g) and `(w >> 4) & 0x0F0F0F0F` (row g + 8);
-// `ep.kernels.q4f8.pack_q4f8` places the codes so. Its scales are bf16 ([T][S][4 warps][8 g][4],
-// a lane's uint2), its zero points 4 nibbles a lane's step ([T][S][4][8] uint16, with EPK_ZP;
-// else 8). The zero points stay out of the MMA: a block adds s (its products - z sum x) 2^-9,
+// `ep.kernels.q4f8.pack_q4f8` places the codes so. Its scales are bf16 ([T][S][4 warps][8 g][4];
+// a lane's ring slot: `F8Scales`), its zero points 4 nibbles a lane's step ([T][S][4][8] uint16,
+// read by `ep_gemv_q4f8_bf16`; `ep_gemv_q4f8_sym_bf16` takes every one as 8). The zero points stay out of the MMA: a block adds s (its products - z sum x) 2^-9,
 // with each row of x's 32-block sums staged after the row factors; the factor is 2^(9 - e).
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -3308,7 +3308,7 @@ __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
 }
 
 // The 4-bit GEMV on the FP8 tensor cores: the same loop over a `ep.kernels.q4f8.pack_q4f8`
-// weight, one kernel a zero-point form (`ep_gemv_q4f8_bf16`: zero points given, EPK_ZP;
+// weight, one kernel a zero-point form (`ep_gemv_q4f8_bf16`: zero points given;
 // `ep_gemv_q4f8_sym_bf16`: every zero point 8), so that each form's loops are scheduled without
 // the other's: with both in one kernel, the symmetric form's u32 scales made the zero points'
 // M > 8 loop slower (H200, M = 16: 39.7 -> 42.9 us).

@@ -24,6 +24,7 @@ at M = 16 (q4p 33.6 / 30.6): above M = 4 q4p is the faster of the two.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ from ep.device import (
     register_kernel,
 )
 from ep.kernels import matmul, mx4f8
-from ep.kernels.matmul import _FLAG_EARLY, _FLAG_ZP, _buffer, _disjoint, _x16
+from ep.kernels.matmul import _FLAG_EARLY, _buffer, _disjoint, _x16
 from ep.kernels.q4p import _SIZES, _name, _ring, packed_to_device
 from ep.ops.matmul import _unpack_nibbles as unpack_nibbles
 
@@ -233,8 +234,8 @@ def gemv_q4_f8(
         inputs["zeros"] = w.zeros
     _buffer(op, dev, "out", out, M * N, _BF16)
     _disjoint(op, out, inputs)
-    flags = _x16(x, K) | (_FLAG_EARLY if resident else 0) | (_FLAG_ZP if w.zeros is not None else 0)
-    zeros = w.zeros if w.zeros is not None else w.weights  # never read without EPK_ZP
+    flags = _x16(x, K) | (_FLAG_EARLY if resident else 0)
+    zeros = w.zeros if w.zeros is not None else w.weights  # never read by the symmetric kernel
     return mx4f8.f8_launch(
         dev, name, "4-bit", per_sm, (T, S, blocks), mx4f8.shared_bytes(M, K, block_sums=True),
         [out, x, w.weights, w.scales, zeros, M, N, K, flags], stream=stream,
@@ -243,13 +244,13 @@ def gemv_q4_f8(
 
 def _twin(
     y: np.ndarray, x: np.ndarray, b: np.ndarray, scales: np.ndarray, zeros: np.ndarray,
-    M: np.int32, N: np.int32, K: np.int32, flags: np.uint32,
+    M: np.int32, N: np.int32, K: np.int32, flags: np.uint32, *, zero_points: bool,
 ) -> None:  # fmt: skip
-    """The NumPy twin: the codes times the split x, less the zero points times x itself (as
-    the kernel: `split_x` feeds the tensor cores, the block sums come from x), scaled, fp32,
-    rounded once."""
+    """The NumPy twin of a form's kernel (``zero_points``: read them, else every one is 8):
+    the codes times the split x, less the zero points times x itself (as the kernel: `split_x`
+    feeds the tensor cores, the block sums come from x), scaled, fp32, rounded once."""
     m, n, k = int(M), int(N), int(K)
-    z16 = zeros.view(np.uint16) if int(flags) & _FLAG_ZP else None
+    z16 = zeros.view(np.uint16) if zero_points else None
     q, s, z = _decode(b, scales, z16, n, k)
     xv = np.asarray(x[: m * k], np.float32).reshape(m, k)
     xs = mx4f8.split_x(x[: m * k].reshape(m, k))
@@ -285,7 +286,7 @@ def _register() -> dict[str, KernelSource]:
                 source=f"{body}\ntypedef __nv_bfloat16 T;\n{entry}",
                 params=("bf16*", "bf16*", "u8*", "bf16*", "void*", *_SIZES),
                 options=CompileOptions(cuda_headers=True),
-                cpu=_twin,
+                cpu=functools.partial(_twin, zero_points=zp),
                 pdl_wait="kernel",
                 targets=mx4f8._TARGETS,
             )
