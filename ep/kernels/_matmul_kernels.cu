@@ -2869,12 +2869,13 @@ __device__ __forceinline__ void mx4p_gemv(T* __restrict__ y, const T* __restrict
 // make it faster than mx4p; deeper rings did (bytes in flight: ep/kernels/mx4f8.py, RINGS).
 //
 // `ep_gemv_q4f8_bf16` runs 4-bit MatMulNBits weights (block 32) through the same loop (`f8_run`,
-// formats F8_Q4 and F8_Q4_ZP): a code q in the low half of a byte is the e4m3 value q x 2^-9, so
-// a word's A registers are `w & 0x0F0F0F0F` (row g) and `(w >> 4) & 0x0F0F0F0F` (row g + 8);
-// `ep.kernels.q4f8.pack_q4f8` places the codes so. Its scales are bf16 ([T][S][4 warps][8 g][4];
-// a lane's ring slot: `F8Scales`), its zero points 4 nibbles a lane's step ([T][S][4][8] uint16,
-// read by `ep_gemv_q4f8_bf16`; `ep_gemv_q4f8_sym_bf16` takes every one as 8). The zero points stay out of the MMA: a block adds s (its products - z sum x) 2^-9,
-// with each row of x's 32-block sums staged after the row factors; the factor is 2^(9 - e).
+// formats F8_Q4, F8_Q4_ZP and F8_Q4_ZP_U32): a code q in the low half of a byte is the e4m3 value
+// q x 2^-9, so a word's A registers are `w & 0x0F0F0F0F` (row g) and `(w >> 4) & 0x0F0F0F0F`
+// (row g + 8); `ep.kernels.q4f8.pack_q4f8` places the codes so. Its scales are bf16 ([T][S][4
+// warps][8 g][4]; a lane's ring slot: `F8Scales`), its zero points 4 nibbles a lane's step
+// ([T][S][4][8] uint16, read by `ep_gemv_q4f8_bf16`; `ep_gemv_q4f8_sym_bf16` takes every one as
+// 8). The zero points stay out of the MMA: a block adds s (its products - z sum x) 2^-9, with
+// each row of x's 32-block sums staged after the row factors; the factor is 2^(9 - e).
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
@@ -2883,14 +2884,17 @@ constexpr u32 MX4F8_MASK = 0x9C9C9C9Cu;
 
 // The weight formats F of the FP8 GEMV: MXFP4 with E8M0 scale bytes (F8_MX4; F8_MX4_EXACT decodes
 // the bytes 0 and 255 exactly), and 4-bit block-quantized (MatMulNBits, block 32; q4f8 below)
-// with bf16 scales and zero points 8 (F8_Q4) or given (F8_Q4_ZP). A lane's ring slot holds its
-// scales of a step (`F8Scales`): MXFP4, its rows' 4 E8M0 bytes (u32); 4-bit with zero points,
-// its rows' 4 bf16 (uint2); 4-bit without, the two bf16 of its block t & 1 (u32), the other
-// block's two taken from the lane beside it with a shuffle: a ring register a step less (107
-// registers for the symmetric d8b2 kernel, 120 with zero points), and on the H200 (NVRTC 13.0,
-// 896 x 151936) M = 16 in 37.5 us against 41.0, M <= 8 unchanged. With zero points the shuffle was
-// slower (24.5 -> 25.6 us at M = 1): they keep the uint2. The same bytes are read either way.
-constexpr int F8_MX4 = 0, F8_MX4_EXACT = 1, F8_Q4 = 2, F8_Q4_ZP = 3;
+// with bf16 scales and zero points 8 (F8_Q4) or given (F8_Q4_ZP, F8_Q4_ZP_U32). A lane's ring
+// slot holds its scales of a step (`F8Scales`): MXFP4, its rows' 4 E8M0 bytes (u32); 4-bit with
+// zero points, its rows' 4 bf16 (uint2); 4-bit without (and F8_Q4_ZP_U32), the two bf16 of its
+// block t & 1 (u32), the other block's two taken from the lane beside it with a shuffle: a ring
+// register a step less (107 registers for the symmetric d8b2 kernel, 120 with zero points), and
+// on the H200 (NVRTC 13.0, 896 x 151936) M = 16 in 37.5 us against 41.0, M <= 8 unchanged. With
+// zero points at 2 blocks an SM the shuffle was slower (d8b2: 24.5 -> 25.6 us at M = 1; 24.4 ->
+// 24.9 in the twenty-fifth session), so F8_Q4_ZP keeps the uint2; at 3 blocks an SM (80
+// registers) only the u32 slot leaves a ring without spills (`ep.kernels.q4f8`, d4b3 and d6b3:
+// F8_Q4_ZP_U32). The same bytes are read either way.
+constexpr int F8_MX4 = 0, F8_MX4_EXACT = 1, F8_Q4 = 2, F8_Q4_ZP = 3, F8_Q4_ZP_U32 = 4;
 template <int F>
 struct F8Scales {
   typedef u32 type;
@@ -2906,6 +2910,8 @@ struct F8Scales<F8_Q4_ZP> {
   typedef uint2 type;
   static constexpr int kStep = 32, kLane = 1;
 };
+template <>
+struct F8Scales<F8_Q4_ZP_U32> : F8Scales<F8_Q4> {};
 __device__ __forceinline__ u32 f8_scales(const u32* p) { return __ldg(p); }
 __device__ __forceinline__ uint2 f8_scales(const uint2* p) { return __ldg(p); }
 __device__ __forceinline__ u32 f8_scales_if(const u32* p, bool ok) { return ld_u32_if(p, ok); }
@@ -2925,44 +2931,53 @@ struct F8Acc {
   float d[NB / 2];
 };
 
-// D = A x B (scale-d 0) for one 32-block: A from registers, B from the descriptor.
+// Shared-memory matrix descriptor (K-major, no swizzle) as two words: the low one holds the
+// address and LBO (bytes between the two k halves; `f8_desc_lo`), the high one SBO (bytes between
+// row groups of 8: always 128 here), a constant the wgmma takes as an immediate, so that a step
+// moves only the low word (a 32-bit add, no 64-bit arithmetic and no register for the high word).
+constexpr unsigned long long F8_DESC_HI = (unsigned long long)(128 >> 4) << 32;
+__device__ __forceinline__ u32 f8_desc_lo(u32 addr, u32 lbo) {
+  return ((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16);
+}
+
+// D = A x B (scale-d 0) for one 32-block: A from registers, B from the descriptor (low word lo).
 template <int NB>
-__device__ __forceinline__ void wgmma_f8(F8Acc<NB>& c, const u32 (&a)[4], unsigned long long desc);
+__device__ __forceinline__ void wgmma_f8(F8Acc<NB>& c, const u32 (&a)[4], u32 lo);
 
 template <>
-__device__ __forceinline__ void wgmma_f8<8>(F8Acc<8>& c, const u32 (&a)[4],
-                                            unsigned long long desc) {
+__device__ __forceinline__ void wgmma_f8<8>(F8Acc<8>& c, const u32 (&a)[4], u32 lo) {
   asm volatile(
-      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %9, 0;\n\t"
+      "{\n\t.reg .pred p;\n\t.reg .b64 d;\n\tsetp.ne.b32 p, %10, 0;\n\t"
+      "cvt.u64.u32 d, %8;\n\tor.b64 d, d, %9;\n\t"
       "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, %8, p, 1, 1;\n}"
+      "{%4, %5, %6, %7}, d, p, 1, 1;\n}"
       : "=f"(c.d[0]), "=f"(c.d[1]), "=f"(c.d[2]), "=f"(c.d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(lo), "n"(F8_DESC_HI), "r"(0));
 }
 
 template <>
-__device__ __forceinline__ void wgmma_f8<16>(F8Acc<16>& c, const u32 (&a)[4],
-                                             unsigned long long desc) {
+__device__ __forceinline__ void wgmma_f8<16>(F8Acc<16>& c, const u32 (&a)[4], u32 lo) {
   asm volatile(
-      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %13, 0;\n\t"
+      "{\n\t.reg .pred p;\n\t.reg .b64 d;\n\tsetp.ne.b32 p, %14, 0;\n\t"
+      "cvt.u64.u32 d, %12;\n\tor.b64 d, d, %13;\n\t"
       "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-      "{%8, %9, %10, %11}, %12, p, 1, 1;\n}"
+      "{%8, %9, %10, %11}, d, p, 1, 1;\n}"
       : "=f"(c.d[0]), "=f"(c.d[1]), "=f"(c.d[2]), "=f"(c.d[3]), "=f"(c.d[4]), "=f"(c.d[5]),
         "=f"(c.d[6]), "=f"(c.d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(lo), "n"(F8_DESC_HI), "r"(0));
 }
 
 template <>
-__device__ __forceinline__ void wgmma_f8<32>(F8Acc<32>& c, const u32 (&a)[4],
-                                             unsigned long long desc) {
+__device__ __forceinline__ void wgmma_f8<32>(F8Acc<32>& c, const u32 (&a)[4], u32 lo) {
   asm volatile(
-      "{\n\t.reg .pred p;\n\tsetp.ne.b32 p, %21, 0;\n\t"
+      "{\n\t.reg .pred p;\n\t.reg .b64 d;\n\tsetp.ne.b32 p, %22, 0;\n\t"
+      "cvt.u64.u32 d, %20;\n\tor.b64 d, d, %21;\n\t"
       "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
-      "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}"
+      "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, d, p, 1, 1;\n}"
       : "=f"(c.d[0]), "=f"(c.d[1]), "=f"(c.d[2]), "=f"(c.d[3]), "=f"(c.d[4]), "=f"(c.d[5]),
         "=f"(c.d[6]), "=f"(c.d[7]), "=f"(c.d[8]), "=f"(c.d[9]), "=f"(c.d[10]), "=f"(c.d[11]),
         "=f"(c.d[12]), "=f"(c.d[13]), "=f"(c.d[14]), "=f"(c.d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(0));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(lo), "n"(F8_DESC_HI), "r"(0));
 }
 
 // The accumulators are read only after the wait: tie them to it.
@@ -3077,12 +3092,6 @@ __device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
   }
 }
 
-// Shared-memory matrix descriptor: K-major, no swizzle; LBO (between the two k halves) and SBO
-// (between row groups of 8) in bytes.
-__device__ __forceinline__ unsigned long long f8_desc(u32 addr, u32 lbo, u32 sbo) {
-  return (unsigned long long)((addr & 0x3FFFFu) >> 4) |
-         ((unsigned long long)(lbo >> 4) << 16) | ((unsigned long long)(sbo >> 4) << 32);
-}
 
 // tools/trace_mx4f8.py compiles the kernel with EPK_TRACE: each warpgroup records the global
 // timer at its start, after the PDL wait, after staging x and at its end, then its SM clock at
@@ -3110,7 +3119,7 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
                                        const uint4* __restrict__ wq, const void* scales,
                                        const void* zeros, u8* xs, int M, int N, int K, int S,
                                        u32 flags, unsigned long long* trace) {
-  constexpr bool Q4 = F >= F8_Q4, ZP = F == F8_Q4_ZP;
+  constexpr bool Q4 = F >= F8_Q4, ZP = F >= F8_Q4_ZP;
   typedef typename F8Scales<F>::type SV;
   constexpr int NT = NB / 8;  // token groups of 4 a lane holds: rows t + 4j
   const int lane = threadIdx.x & 31, warp = (threadIdx.x >> 5) & 3;
@@ -3131,7 +3140,7 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
       reinterpret_cast<const unsigned short*>(zeros) + (first * 4 + warp) * 8 + g;
   uint4 rq[D];
   SV rs[D];
-  u32 rz[ZP ? D : 1];  // zero points (F8_Q4_ZP)
+  u32 rz[ZP ? D : 1];  // zero points (F8_Q4_ZP, F8_Q4_ZP_U32)
   PdlWait ready(flags);
 #pragma unroll
   for (int d = 0; d < D; ++d) {
@@ -3153,8 +3162,8 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
   __syncthreads();
   F8_TRACE(2, f8_gtime());
   const u32 xa = smem_addr(xs);
-  const unsigned long long desc0 = f8_desc(xa, NB * 16, 128);
-  const unsigned long long dstep = (unsigned long long)((NB * 32) >> 4);  // one block's tile
+  const u32 dlo = f8_desc_lo(xa, NB * 16);  // a step moves the address (its low word)
+  constexpr u32 dstep = (NB * 32) >> 4;      // one block's tile
   float acc[NT][2];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = 0.0f;
@@ -3167,13 +3176,7 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
       const int idx = s0 + d;
       const uint4 q = rq[d];
       const SV sv = rs[d];
-      rq[d] = zero4();
-      rs[d] = SV{};
-      u32 zv = 0u;
-      if constexpr (ZP) {
-        zv = rz[d];
-        rz[d] = 0u;
-      }
+      const u32 zv = ZP ? rz[d] : 0u;
       u32 a0[4], a1[4];
       if constexpr (Q4) {
         q4f8_regs(q.x, a0[0], a0[1]);
@@ -3187,7 +3190,7 @@ __device__ __forceinline__ void f8_run(__nv_bfloat16* __restrict__ y,
         mx4f8_regs(q.w, a1[2], a1[3]);
       }
       F8Acc<NB> c0, c1;
-      const unsigned long long dsc = desc0 + (unsigned long long)(2 * si) * dstep;
+      const u32 dsc = dlo + (u32)(2 * si) * dstep;
       asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
       wgmma_f8<NB>(c0, a0, dsc);
       wgmma_f8<NB>(c1, a1, dsc + dstep);
@@ -3308,16 +3311,16 @@ __device__ __forceinline__ void mx4f8_gemv(__nv_bfloat16* __restrict__ y,
 }
 
 // The 4-bit GEMV on the FP8 tensor cores: the same loop over a `ep.kernels.q4f8.pack_q4f8`
-// weight, one kernel a zero-point form (`ep_gemv_q4f8_bf16`: zero points given;
-// `ep_gemv_q4f8_sym_bf16`: every zero point 8), so that each form's loops are scheduled without
-// the other's: with both in one kernel, the symmetric form's u32 scales made the zero points'
-// M > 8 loop slower (H200, M = 16: 39.7 -> 42.9 us).
-template <bool ZP, int D4, int D8, int D16, int W = MX4F8_WARPS>
+// weight in format F, one kernel a zero-point form (`ep_gemv_q4f8_bf16`: zero points given,
+// F8_Q4_ZP or at 3 blocks an SM F8_Q4_ZP_U32; `ep_gemv_q4f8_sym_bf16`: every zero point 8,
+// F8_Q4), so that each form's loops are scheduled without the other's: with both in one kernel,
+// the symmetric form's u32 scales made the zero points' M > 8 loop slower (H200, M = 16: 39.7 ->
+// 42.9 us).
+template <int F, int D4, int D8, int D16, int W = MX4F8_WARPS>
 __device__ __forceinline__ void q4f8_gemv(__nv_bfloat16* __restrict__ y,
                                           const __nv_bfloat16* __restrict__ x, const u8* b,
                                           const u8* scales, const u8* zeros, int M, int N, int K,
                                           u32 flags) {
-  constexpr int F = ZP ? F8_Q4_ZP : F8_Q4;
   f8_gemv<F, F, D4, D8, D16, W>(y, x, b, scales, zeros, M, N, K, flags, false, nullptr);
 }
 

@@ -50,6 +50,7 @@ __all__ = [
     "RINGS",
     "RING_ENV",
     "SYM_RING",
+    "ZP_RING",
     "PackedQ4F8",
     "gemv_q4_f8",
     "pack_q4f8",
@@ -70,9 +71,11 @@ _BF16 = np.dtype(ml_dtypes.bfloat16)
 # 24.74 (q4p 23.45 / 23.93). The symmetric kernels' u32 scales (twenty-third session) leave a
 # register a step: d8b3 then fits 3 blocks an SM without spills, but measured no faster than
 # d8b2 at M <= 4 (23.29 / 23.89 against 23.39 / 23.61, medians of three rounds), so it is not
-# compiled.
-RINGS: tuple[tuple[int, int], ...] = ((8, 2), (6, 3), (6, 1))
-_WIDER = {(8, 2): (8, 6), (6, 3): (4, 2), (6, 1): (4, 2)}
+# compiled. With zero points, a ring of 3 blocks an SM holds its scales as the symmetric one does
+# (`_scale_slot`: 80 registers leave no room for a uint2 a step), and d4b3 is the fastest of
+# those (twenty-fifth session).
+RINGS: tuple[tuple[int, int], ...] = ((8, 2), (6, 3), (6, 1), (4, 3))
+_WIDER = {(8, 2): (8, 6), (6, 3): (4, 2), (6, 1): (4, 2), (4, 3): (4, 2)}
 RING_ENV = "GENAI_EP_Q4F8"
 # Without zero points, M <= 8 runs d6b3 instead (3 blocks an SM; the same bits: every ring stores
 # the default's). The weights' read order alone streams at 0.92 of copy bandwidth with 3 blocks
@@ -81,6 +84,11 @@ RING_ENV = "GENAI_EP_Q4F8"
 # us against d8b2's 23.6-23.8, M = 8 25.2-25.6 against 26.2-26.8; M = 16 keeps d8b2 (38.2-38.4
 # against 39.1-39.7), and zero points keep d8b2 everywhere (d6b3: 28.3-28.6 us at M = 1).
 SYM_RING = "d6b3"
+# With zero points, M <= 4 runs d4b3: 4 steps in flight a warp at 3 blocks an SM, its scales in
+# one u32 a step. H200, 896 x 151936, three runs (twenty-fifth session): M = 1 23.65-23.75 us
+# against d8b2's 24.3-24.4 (d6b3 24.8-25.0, d8b3 25.8); M = 8 keeps d8b2 (26.6-26.7 against
+# 26.9-27.0).
+ZP_RING = "d4b3"
 # nibble p of a word (`mx4f8._ROW`, `mx4f8._K`: row g + 8 (p >> 2), byte p & 3) sits at these bits
 _SHIFTS = (8 * (np.arange(8) & 3) + 4 * (np.arange(8) >> 2)).astype(np.uint32)
 
@@ -217,10 +225,10 @@ def gemv_q4_f8(
     cores (bf16 activations, M <= 16; sm_90a, or the NumPy twin on the CPU device), x split as
     `ep.kernels.mx4f8.split_x` says. ``resident`` and ``ring`` as
     `ep.kernels.q4p.gemv_q4_packed` (default ring `RING_ENV`, else `SYM_RING` for symmetric
-    weights at M <= 8, else the first of `RINGS`)."""
+    weights at M <= 8 and `ZP_RING` for weights with zero points at M <= 4, else the first of
+    `RINGS`)."""
     op = "gemv_q4_f8"
-    default = SYM_RING if w.zeros is None and M <= 8 else None
-    ring, per_sm = _ring(op, ring, RING_ENV, RINGS, default)
+    ring, per_sm = _ring(op, ring, RING_ENV, RINGS, _default_ring(w.zeros is not None, M))
     N, K = w.N, w.K
     name = _name(_family(w.zeros is not None), ring, "bf16", RINGS)
     mx4f8.f8_checks(op, dev, M, x, Q4F8_KERNELS[name], ("gemv_q4_packed", "pack_q4"))
@@ -261,6 +269,22 @@ def _twin(
         y[: m * n] = (xs @ sq.T - xv @ sz.T).astype(y.dtype).reshape(-1)
 
 
+def _default_ring(zero_points: bool, M: int) -> str | None:
+    """The ring a form runs at M rows when none is asked for (None: the first of `RINGS`)."""
+    if zero_points:
+        return ZP_RING if M <= 4 else None
+    return SYM_RING if M <= 8 else None
+
+
+def _scale_slot(zero_points: bool, per_sm: int) -> str:
+    """The .cu file's format of a form's kernel on a ring of ``per_sm`` blocks an SM: with zero
+    points, a uint2 of scales a step (F8_Q4_ZP) when a thread may hold 128 registers, one u32
+    (F8_Q4_ZP_U32, the other two by shuffle) when more than 16 warps an SM leave it 80."""
+    if not zero_points:
+        return "F8_Q4"
+    return "F8_Q4_ZP_U32" if per_sm * mx4f8.block_warps(per_sm) > 16 else "F8_Q4_ZP"
+
+
 def _family(zero_points: bool) -> str:
     """The kernel family of a weight with or without zero points (one kernel each: the .cu
     file's q4f8_gemv)."""
@@ -277,8 +301,9 @@ def _register() -> dict[str, KernelSource]:
         entry = (
             f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
             "T* y, const T* x, const u8* b, const T* scales, const void* zp, int M, int N, "
-            f"int K, u32 flags) {{\n  epk::q4f8_gemv<{str(zp).lower()}, {depth}, {d8}, {d16}, "
-            f"{warps}>(y, x, b, (const u8*)scales, (const u8*)zp, M, N, K, flags);\n}}\n"
+            f"int K, u32 flags) {{\n  epk::q4f8_gemv<epk::{_scale_slot(zp, per_sm)}, {depth}, "
+            f"{d8}, {d16}, {warps}>(y, x, b, (const u8*)scales, (const u8*)zp, M, N, K, flags);"
+            "\n}\n"
         )
         out[name] = register_kernel(
             KernelSource(

@@ -52,7 +52,8 @@ def test_the_4_bit_formats_run_with_and_without_zero_points(tmp_path: Path) -> N
         err = float(row["note"].split("rel err ")[1].split()[0])
         assert err < 1e-2, (fmt, row["note"])
     kernels = {f: got[f, 1]["kernel"].split()[0] for f in formats.split(",")}
-    assert kernels["q4f8"] == "ep_gemv_q4f8_bf16"
+    assert kernels["q4f8"] == "ep_gemv_q4f8_d4b3_bf16"  # its ring at M <= 4
+    assert got["q4f8", 5]["kernel"].split()[0] == "ep_gemv_q4f8_bf16"  # and above
     assert kernels["q4f8-d8b2+sym"] == "ep_gemv_q4f8_sym_bf16"  # a kernel without zero points
     assert kernels["q4f8+sym"] == "ep_gemv_q4f8_sym_d6b3_bf16"  # its ring at M <= 8
     assert kernels["q4p+sym"] == "ep_gemv_q4p_bf16"

@@ -112,9 +112,9 @@ def test_gemv_is_the_product_of_the_dequantized_weights(
     def run(out: Buffer, x: Buffer, M: int, **kwargs: bool) -> MatmulPlan:
         return gemv_q4_f8(dev, out, x, w, M=M, stream=s, **kwargs)
 
-    def kernel(M: int) -> str:  # a kernel a form; without zero points ring d6b3 at M <= 8
+    def kernel(M: int) -> str:  # a kernel a form: zero points d4b3 at M <= 4, none d6b3 at 8
         if zp:
-            return "ep_gemv_q4f8_bf16"
+            return "ep_gemv_q4f8_d4b3_bf16" if M <= 4 else "ep_gemv_q4f8_bf16"
         return "ep_gemv_q4f8_sym_d6b3_bf16" if M <= 8 else "ep_gemv_q4f8_sym_bf16"
 
     check_decode_gemv(dev, rng, upload, poison, run, dense, kernel, BOUND)
@@ -191,15 +191,17 @@ def test_the_ring_refills_at_m_8_and_below_are_predicated_volatile_loads(
 ) -> None:
     """As `ep.kernels.mx4f8`'s: at M <= 8 each unrolled step refills its slot's weights, bf16
     scales and zero points with predicated volatile loads (PTX by NVRTC, no GPU), in both M <= 8
-    loops. A kernel has one zero-point form: with zero points a lane's scales are a uint2 (all
-    four of its rows' blocks), without them one u32 (its block's pair; no zero-point loads)."""
+    loops. A kernel has one zero-point form: with zero points on a ring of 2 blocks an SM (128
+    registers a thread) a lane's scales are a uint2 (all four of its rows' blocks); without them,
+    or on a ring of 24 warps an SM (80 registers), one u32 (its block's pair)."""
     d8, _ = q4f8._WIDER[depth, per_sm]
     family = q4f8._family(zp)
     ptx = ptx_of(Q4F8_KERNELS[q4f8._name(family, f"d{depth}b{per_sm}", "bf16", RINGS)])
     steps = depth + d8
+    wide = zp and per_sm == 2
     assert ptx.count("@q ld.global.nc.L1::no_allocate.v4.u32") == steps  # weights
-    assert ptx.count("@q ld.global.nc.v2.u32") == (steps if zp else 0)  # scales, uint2
-    assert ptx.count("@q ld.global.nc.u32") == (0 if zp else steps)  # scales, u32
+    assert ptx.count("@q ld.global.nc.v2.u32") == (steps if wide else 0)  # scales, uint2
+    assert ptx.count("@q ld.global.nc.u32") == (0 if wide else steps)  # scales, u32
     assert ptx.count("@q ld.global.nc.u16") == (steps if zp else 0)  # zero points
 
 
