@@ -17,9 +17,10 @@ The activations are split into two e4m3 columns as `ep.kernels.mx4f8.split_x` sa
 9 binades of a row's largest magnitude), so this takes bf16 activations only;
 `ep.kernels.q4p.gemv_q4_packed` takes fp16 ones and runs on any GPU.
 
-On the H200 (896 x 151936, docs/benchmarks/h200.md) it takes 24.7-25.6 µs at M = 1 with zero
-points (q4p 26.3) and 22.4-22.9 without (`SYM_RING`; q4p 23.4-23.5), but 39.7-41.4 / 38.2-38.7
-at M = 16 (q4p 33.6 / 30.6): above M = 4 q4p is the faster of the two.
+On the H200 (896 x 151936, docs/benchmarks/h200.md, twenty-fifth session) it takes 23.1-23.9
+µs at M = 1 with zero points (`ZP_RING`) and 21.1-21.8 without (`SYM_RING`), but 38.1-38.7 /
+35.3-35.8 at M = 16; q4p took 26.3 / 23.4-23.5 at M = 1 and 33.6 / 30.6 at M = 16 when last
+measured (fifteenth session): above M = 4 q4p is the faster of the two.
 """
 
 from __future__ import annotations
