@@ -2895,8 +2895,8 @@ constexpr u32 MX4F8_MASK = 0x9C9C9C9Cu;
 // on the H200 (NVRTC 13.0, 896 x 151936) M = 16 in 37.5 us against 41.0, M <= 8 unchanged. With
 // zero points at 2 blocks an SM the shuffle was slower (d8b2: 24.5 -> 25.6 us at M = 1; 24.4 ->
 // 24.9 in the twenty-fifth session), so F8_Q4_ZP keeps the uint2; at 3 blocks an SM (80
-// registers) only the u32 slot leaves a ring without spills (`ep.kernels.q4f8`, d4b3 and d6b3:
-// F8_Q4_ZP_U32). The same bytes are read either way.
+// registers; also d6b1's 24 warps) only the u32 slot leaves a ring without spills
+// (`ep.kernels.q4f8`, its `_scale_slot`: F8_Q4_ZP_U32). The same bytes are read either way.
 constexpr int F8_MX4 = 0, F8_MX4_EXACT = 1, F8_Q4 = 2, F8_Q4_ZP = 3, F8_Q4_ZP_U32 = 4;
 template <int F>
 struct F8Scales {
@@ -2937,7 +2937,9 @@ struct F8Acc {
 // Shared-memory matrix descriptor (K-major, no swizzle) as two words: the low one holds the
 // address and LBO (bytes between the two k halves; `f8_desc_lo`), the high one SBO (bytes between
 // row groups of 8: always 128 here), a constant the wgmma takes as an immediate, so that a step
-// moves only the low word (a 32-bit add, no 64-bit arithmetic and no register for the high word).
+// adds to the low word only (32-bit arithmetic; before, a 64-bit multiply-add and its carry a
+// step. H200, 896 x 151936, M = 1, with the unzeroed ring slots below: the symmetric 4-bit GEMV
+// 21.6-22.2 us against 22.4-22.8, docs/benchmarks/h200.md, twenty-fifth session).
 constexpr unsigned long long F8_DESC_HI = (unsigned long long)(128 >> 4) << 32;
 __device__ __forceinline__ u32 f8_desc_lo(u32 addr, u32 lbo) {
   return ((addr & 0x3FFFFu) >> 4) | ((lbo >> 4) << 16);
@@ -3101,7 +3103,6 @@ __device__ __forceinline__ void mx4f8_stage_x(u8* xs, float* factor,
     }
   }
 }
-
 
 // tools/trace_mx4f8.py compiles the kernel with EPK_TRACE: each warpgroup records the global
 // timer at its start, after the PDL wait, after staging x and at its end, then its SM clock at

@@ -20,7 +20,7 @@ The activations are split into two e4m3 columns as `ep.kernels.mx4f8.split_x` sa
 On the H200 (896 x 151936, docs/benchmarks/h200.md, twenty-fifth session) it takes 23.1-23.9
 µs at M = 1 with zero points (`ZP_RING`) and 21.1-21.8 without (`SYM_RING`), but 38.1-38.7 /
 35.3-35.8 at M = 16; q4p took 26.3 / 23.4-23.5 at M = 1 and 33.6 / 30.6 at M = 16 when last
-measured (fifteenth session): above M = 4 q4p is the faster of the two.
+measured: above M = 4 q4p is the faster of the two.
 """
 
 from __future__ import annotations
@@ -83,12 +83,14 @@ RING_ENV = "GENAI_EP_Q4F8"
 # of 8 warps an SM and at 0.78 with 2 (tools/bench_read_pattern.py), and d8b2 was at that bound.
 # H200, 896 x 151936, three runs (docs/benchmarks/h200.md, twenty-fourth session): M = 1 22.4-22.7
 # us against d8b2's 23.6-23.8, M = 8 25.2-25.6 against 26.2-26.8; M = 16 keeps d8b2 (38.2-38.4
-# against 39.1-39.7), and zero points keep d8b2 everywhere (d6b3: 28.3-28.6 us at M = 1).
+# against 39.1-39.7).
 SYM_RING = "d6b3"
 # With zero points, M <= 4 runs d4b3: 4 steps in flight a warp at 3 blocks an SM, its scales in
-# one u32 a step. H200, 896 x 151936, three runs (twenty-fifth session): M = 1 23.65-23.75 us
-# against d8b2's 24.3-24.4 (d6b3 24.8-25.0, d8b3 25.8); M = 8 keeps d8b2 (26.6-26.7 against
-# 26.9-27.0).
+# one u32 a step. H200, 896 x 151936, each ring timed 4 times in alternating order, three
+# processes (docs/benchmarks/h200.md, twenty-fifth session): M = 1 23.96-23.99 us against
+# d8b2's 24.44-24.51 and d6b3's 25.13-25.26, M = 4 24.43-24.50 against 24.71-24.77; M = 8 keeps
+# d8b2 (26.77-26.80 against 27.14-27.21; on a second H200, with the final code, 26.22-26.24
+# against 26.17-26.22).
 ZP_RING = "d4b3"
 # nibble p of a word (`mx4f8._ROW`, `mx4f8._K`: row g + 8 (p >> 2), byte p & 3) sits at these bits
 _SHIFTS = (8 * (np.arange(8) & 3) + 4 * (np.arange(8) >> 2)).astype(np.uint32)
