@@ -3029,9 +3029,7 @@ __device__ __forceinline__ void mx4f8_split2(u32 v, float f, u32& hi, u32& lo) {
   const float v0 = __uint_as_float(v << 16) * f, v1 = __uint_as_float(v & 0xFFFF0000u) * f;
   unsigned short h, l;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(v1), "f"(v0));
-  u32 back;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(back) : "h"(h));
-  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&back));
+  const float2 b = e4m3x2_f32(h);
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(l) : "f"(v1 - b.y), "f"(v0 - b.x));
   hi = h;
   lo = l;
