@@ -294,20 +294,27 @@ def _family(zero_points: bool) -> str:
     return "q4f8" if zero_points else "q4f8_sym"
 
 
+def _entry(name: str, zero_points: bool, depths: tuple[int, int, int], per_sm: int) -> str:
+    """The kernel ``name`` of a form on a ring: ``depths`` steps a warp in flight at M <= 4, 8
+    and 16, ``per_sm`` blocks an SM (docs/benchmarks/data/h200_s25_sweep.py compiles variants
+    outside `RINGS` with it)."""
+    warps = mx4f8.block_warps(per_sm)
+    d4, d8, d16 = depths
+    return (
+        f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
+        "T* y, const T* x, const u8* b, const T* scales, const void* zp, int M, int N, "
+        f"int K, u32 flags) {{\n  epk::q4f8_gemv<epk::{_scale_slot(zero_points, per_sm)}, {d4}, "
+        f"{d8}, {d16}, {warps}>(y, x, b, (const u8*)scales, (const u8*)zp, M, N, K, flags);"
+        "\n}\n"
+    )
+
+
 def _register() -> dict[str, KernelSource]:
     body = matmul._cuda_source()
     out: dict[str, KernelSource] = {}
     for zp, (depth, per_sm) in itertools.product((True, False), RINGS):
         name = _name(_family(zp), f"d{depth}b{per_sm}", "bf16", RINGS)
-        d8, d16 = _WIDER[depth, per_sm]
-        warps = mx4f8.block_warps(per_sm)
-        entry = (
-            f'extern "C" __global__ void __launch_bounds__({32 * warps}, {per_sm}) {name}('
-            "T* y, const T* x, const u8* b, const T* scales, const void* zp, int M, int N, "
-            f"int K, u32 flags) {{\n  epk::q4f8_gemv<epk::{_scale_slot(zp, per_sm)}, {depth}, "
-            f"{d8}, {d16}, {warps}>(y, x, b, (const u8*)scales, (const u8*)zp, M, N, K, flags);"
-            "\n}\n"
-        )
+        entry = _entry(name, zp, (depth, *_WIDER[depth, per_sm]), per_sm)
         out[name] = register_kernel(
             KernelSource(
                 name=name,

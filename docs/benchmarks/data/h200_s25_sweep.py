@@ -9,8 +9,8 @@ root on the H200, after ``bash tools/gpu_run.sh`` (its PYTHONPATH):
 DEFINES (``-`` for none) are prepended to the .cu source: the session's runs switched
 temporary source edits with them (``EPK_ZP_U32``: zero points with the u32 scale slot, now
 ``F8_Q4_ZP_U32``; ``EPK_REFILL_CLAMP``, ``EPK_NOZERO``: refills without zeroing, not kept). A
-variant is ``form:D4,D8,D16,blocks`` with form ``zp`` (zero points; 3 blocks an SM take the u32
-scale slot, as the registered kernels do) or ``sym``. ``--device cpu`` runs the NumPy twin of
+variant is ``form:D4,D8,D16,blocks`` with form ``zp`` (zero points; its scale slot as the
+registered kernels', `ep.kernels.q4f8._entry`) or ``sym``. ``--device cpu`` runs the NumPy twin of
 the zero-point kernel for a smoke test (its timings mean nothing).
 """
 
@@ -54,15 +54,8 @@ def main() -> None:
     for v in a.variants.split(";"):
         form, nums = v.split(":")
         d4, d8, d16, b = map(int, nums.split(","))
-        fmt = ("F8_Q4_ZP_U32" if b > 2 else "F8_Q4_ZP") if form == "zp" else "F8_Q4"
         name = f"ep_gemv_q4f8x_{form}_d{d4}_{d8}_{d16}b{b}_bf16"
-        warps = mx4f8.block_warps(b)
-        entry = (
-            f'extern "C" __global__ void __launch_bounds__({32 * warps}, {b}) {name}('
-            "T* y, const T* x, const u8* b, const T* scales, const void* zp, int M, int N, "
-            f"int K, u32 flags) {{\n  epk::q4f8_gemv<epk::{fmt}, {d4}, {d8}, {d16}, {warps}>("
-            "y, x, b, (const u8*)scales, (const u8*)zp, M, N, K, flags);\n}\n"
-        )
+        entry = q4f8._entry(name, form == "zp", (d4, d8, d16), b)
         source = f"{body}\ntypedef __nv_bfloat16 T;\n{entry}"
         KERNELS._kernels[name] = replace(base, name=name, entry=name, source=source)
         variants.append((form, name, b))
